@@ -1,0 +1,66 @@
+"""Export: Hugging Face checkpoints -> ONNX prefill/decode graphs in an llmx artifact (needs torch).
+
+Importing this package is cheap and torch-free; ``export_checkpoint`` pulls in torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from llmx.manifest import Manifest
+
+KV_LAYOUT = {
+    "layout": "batch,kv_heads,sequence,head_dim",
+    "past": "past_key_values.{i}.{kv}",
+    "present": "present.{i}.{kv}",
+    "dtype": "float32",
+    # A sequence's token at position p is stored in slot p. Decode scatters new entries at
+    # position_ids, so past and present may (and should) be bound to the same buffer.
+    "update": "scatter_at_position",
+}
+
+
+def export_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    verify: bool = False,
+    all_logits: bool = False,
+    force: bool = False,
+    log: Callable[[str], None] = lambda msg: None,
+) -> Manifest:
+    """Export a local HF decoder checkpoint to an artifact directory; returns its manifest."""
+    from llmx.artifact import finish, staged_artifact
+    from llmx.export.checkpoint import load_decoder, open_checkpoint
+    from llmx.export.tokenizer import package_tokenizer
+    from llmx.onnx_files import describe_graph, load_graph
+
+    checkpoint = open_checkpoint(src)
+    spec = checkpoint.spec
+    log(f"loading {spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) from {checkpoint.path}")
+    model = load_decoder(checkpoint)
+    with staged_artifact(out, overwrite=force) as tmp:
+        tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
+        log("exporting prefill and decode graphs")
+        from llmx.export.onnx_export import export_decoder
+
+        export_decoder(model, tmp, all_logits=all_logits)
+        graphs = {name: describe_graph(load_graph(tmp / f"{name}.onnx"), f"{name}.onnx") for name in ("prefill", "decode")}
+        manifest = Manifest(
+            kind="decoder",
+            model=spec.to_dict(),
+            graphs=graphs,
+            tokenizer=tokenizer,
+            precision={"weights": "float32", "activations": "float32", "scheme": None},
+            kv={**KV_LAYOUT, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+            lineage=[{"stage": "export", "source": str(checkpoint.path), "prefill_logits": "all" if all_logits else "last"}],
+        )
+        if verify:
+            log("verifying ONNX Runtime against PyTorch")
+            from llmx.export.verify import verify_export
+
+            manifest.extras["verify"] = verify_export(model, tmp)
+            log(f"verified: max |diff| {manifest.extras['verify']['max_abs_diff']:.2e}")
+        finish(tmp, manifest)
+    return manifest

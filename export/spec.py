@@ -1,0 +1,180 @@
+"""ModelSpec: the architecture facts llmx needs, read from a Hugging Face ``config.json``.
+
+One table (``FAMILIES``) says how each supported family differs; everything downstream
+(torch modules, the ONNX Runtime graph builder, the runtime) reads a ModelSpec and never asks
+which family it holds. Torch-free: later stages import it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmx.errors import CheckpointError
+
+# How each family differs. Keys of the HF config that carry the same fact under other names
+# are resolved by ``_get`` below; architecture choices live here.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias"),
+    "mistral": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key=None),
+    "qwen2": dict(norm="rms", mlp="gated", position="rope", qkv_bias=True),
+    "gpt2": dict(norm="layer", mlp="plain", position="learned", qkv_bias=True, o_bias=True, mlp_bias=True),
+}
+
+# HF activation names -> the ones llmx implements.
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class ModelSpec:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm: str  # "rms" | "layer"
+    norm_eps: float
+    activation: str  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    mlp: str  # "gated" (SwiGLU-style) | "plain"
+    position: str  # "rope" | "learned"
+    rope: dict[str, Any] = field(default_factory=dict)  # rope_type, rope_theta, scaling params
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    attention_scales: list[float] = field(default_factory=list)  # per layer, multiplies q·k
+    sliding_window: int | None = None
+    sliding_layers: list[bool] = field(default_factory=list)  # which layers use the window
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _get(cfg: dict, *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _rope_params(cfg: dict) -> dict[str, Any]:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.pop("type", None) or params.get("rope_type") or "default"
+    params["rope_type"] = rope_type
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError("partial rotary embeddings are not supported")
+    return params
+
+
+def spec_from_hf_config(cfg: dict) -> ModelSpec:
+    """Translate a HF config dict into a ModelSpec, or raise CheckpointError naming what is supported."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        arch = ", ".join(cfg.get("architectures") or []) or model_type
+        raise CheckpointError(
+            f"model type {model_type!r} ({arch}) is not supported; supported families: {', '.join(FAMILIES)}"
+        )
+    fam = FAMILIES[model_type]
+    try:
+        hidden = int(_get(cfg, "hidden_size", "n_embd"))
+        heads = int(_get(cfg, "num_attention_heads", "n_head"))
+        layers = int(_get(cfg, "num_hidden_layers", "n_layer"))
+        head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
+        act_name = _get(cfg, "hidden_act", "activation_function", default="silu")
+        if act_name not in ACTIVATIONS:
+            raise CheckpointError(f"activation {act_name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        spec = ModelSpec(
+            family=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+            head_dim=head_dim,
+            intermediate_size=int(_get(cfg, "intermediate_size", "n_inner", default=4 * hidden)),
+            max_position_embeddings=int(_get(cfg, "max_position_embeddings", "n_positions")),
+            norm=fam["norm"],
+            norm_eps=float(_get(cfg, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", default=1e-5)),
+            activation=ACTIVATIONS[act_name],
+            mlp=fam["mlp"],
+            position=fam["position"],
+            qkv_bias=bool(fam.get("qkv_bias") or (fam.get("qkv_bias_key") and cfg.get(fam["qkv_bias_key"]))),
+            o_bias=bool(fam.get("o_bias") or (fam.get("qkv_bias_key") and cfg.get(fam["qkv_bias_key"]))),
+            mlp_bias=bool(fam.get("mlp_bias") or cfg.get("mlp_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gpt2")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_list(cfg.get("eos_token_id")),
+            pad_token_id=cfg.get("pad_token_id"),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"config.json lacks {exc}, which {model_type} models need") from exc
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"config.json has a malformed value: {exc}") from exc
+
+    if spec.position == "rope":
+        spec.rope = _rope_params(cfg)
+    if spec.num_heads % spec.num_kv_heads:
+        raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    scale = 1.0 / math.sqrt(spec.head_dim)
+    if model_type == "gpt2":
+        if not cfg.get("scale_attn_weights", True):
+            scale = 1.0
+        by_layer = cfg.get("scale_attn_by_inverse_layer_idx", False)
+        spec.attention_scales = [scale / (i + 1) if by_layer else scale for i in range(layers)]
+    else:
+        spec.attention_scales = [scale] * layers
+
+    window = cfg.get("sliding_window")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    if window:
+        spec.sliding_window = int(window)
+        types = cfg.get("layer_types")
+        spec.sliding_layers = [t == "sliding_attention" for t in types] if types else [True] * layers
+    return spec
+

@@ -1,0 +1,51 @@
+import json
+from pathlib import Path
+
+import click
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def register(cli: click.Group) -> None:
+    @cli.command("inspect")
+    @click.argument("artifact", type=click.Path(path_type=Path))
+    @click.option("--json", "as_json", is_flag=True, help="Print the manifest and file sizes as JSON.")
+    @click.option("--check", is_flag=True, help="Verify every file's sha256 against the manifest.")
+    def inspect(artifact: Path, as_json: bool, check: bool) -> None:
+        """Show what an artifact holds: model, graphs and their IO, files, precision, lineage."""
+        from llmx.errors import ArtifactError
+        from llmx.manifest import load_manifest, verify_checksums
+
+        manifest = load_manifest(artifact)
+        sizes = {rel: (artifact / rel).stat().st_size for rel in manifest.checksums if (artifact / rel).is_file()}
+        bad = verify_checksums(artifact, manifest) if check else []
+        if as_json:
+            data = json.loads(manifest.to_json())
+            data["file_sizes"] = sizes
+            if check:
+                data["checksum_failures"] = bad
+            click.echo(json.dumps(data, indent=2))
+        else:
+            m = manifest.model
+            click.echo(f"{artifact}: {manifest.kind}, {m.get('family')}, schema {manifest.schema_version}, llmx {manifest.llmx_version}")
+            dims = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings")
+            click.echo("  model: " + ", ".join(f"{k}={m[k]}" for k in dims if k in m))
+            click.echo("  precision: " + ", ".join(f"{k}={v}" for k, v in manifest.precision.items() if v is not None))
+            for name, g in manifest.graphs.items():
+                click.echo(f"  graph {name}: {g.file} (opset {g.opset}, {g.ops} ops)")
+                for kind, tensors in (("in", g.inputs), ("out", g.outputs)):
+                    shown = tensors if len(tensors) <= 6 else [*tensors[:4], None, tensors[-1]]
+                    for t in shown:
+                        click.echo("      ..." if t is None else f"    {kind:3} {t.name}: {t.dtype}[{', '.join(map(str, t.shape))}]")
+            click.echo("  files: " + ", ".join(f"{rel} {_size(n)}" for rel, n in sizes.items()))
+            click.echo("  lineage: " + " -> ".join(s["stage"] for s in manifest.lineage))
+        if bad:
+            raise ArtifactError(f"checksum mismatch in {len(bad)} file(s): {', '.join(bad)}")
+        if check and not as_json:
+            click.echo(f"  checksums: {len(manifest.checksums)} files OK")

@@ -1,0 +1,40 @@
+"""User-facing errors. The CLI prints them as one line and exits non-zero; the server maps
+them to 4xx JSON. Raise them where the cause is known, with a message a user can act on."""
+
+
+class LlmxError(Exception):
+    """Base class: anything the user can fix (bad path, bad value, unsupported model)."""
+
+    exit_code = 1
+
+
+class InputError(LlmxError):
+    """A value given by the user is out of range or malformed."""
+
+    exit_code = 2
+
+
+class CheckpointError(LlmxError):
+    """The checkpoint directory is missing, incomplete, corrupt or unsupported."""
+
+
+class ArtifactError(LlmxError):
+    """The artifact directory is missing, incomplete or of another kind than expected."""
+
+
+class MissingDependencyError(LlmxError):
+    """An optional dependency (torch, onnx, tensorrt, CUDA) is not installed here."""
+
+    def __init__(self, package: str, purpose: str, extra: str | None = None):
+        hint = f"pip install 'llmx[{extra}]'" if extra else f"pip install {package}"
+        super().__init__(f"{purpose} needs {package}, which is not installed ({hint})")
+
+
+def require(module: str, purpose: str, extra: str | None = None):
+    """Import an optional dependency lazily, or raise a MissingDependencyError that says how to get it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(module.split(".")[0], purpose, extra) from exc

@@ -1,0 +1,112 @@
+"""Saving and describing ONNX graphs in an artifact (needs the ``onnx`` package).
+
+All graphs of an artifact keep their large initializers in one ``weights.bin``: prefill and
+decode hold the same weights, so each tensor is stored once and both graphs point at it.
+Large tensors start on 64 KiB boundaries so ONNX Runtime can memory-map them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from llmx.manifest import GraphSpec, TensorSpec
+
+IR_VERSION = 10  # ONNX Runtime 1.2x-1.31 and TensorRT 10 read it; onnx 1.23 would write 14
+WEIGHTS_FILE = "weights.bin"
+_INLINE_LIMIT = 1024  # bytes: smaller tensors stay inside the graph
+_ALIGN_LARGE, _ALIGN = 1 << 16, 64
+
+
+def _onnx():
+    from llmx.errors import require
+
+    return require("onnx", "writing ONNX graphs", "export")
+
+
+def _tensor_bytes(init, base_dir: Path | None) -> bytes:
+    onnx = _onnx()
+    if init.data_location == onnx.TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in init.external_data}
+        with open(Path(base_dir) / info["location"], "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            return f.read(int(info["length"])) if "length" in info else f.read()
+    if init.HasField("raw_data"):
+        return init.raw_data
+    return onnx.numpy_helper.to_array(init).tobytes()
+
+
+def save_graphs(graphs: dict[str, "onnx.ModelProto"], out_dir: Path, sources: dict[str, Path] | None = None) -> None:
+    """Write ``{name}.onnx`` for each graph with large tensors in one shared ``weights.bin``.
+
+    ``sources`` gives, per graph, the directory its external data currently lives in (for
+    graphs loaded with ``load_external_data=False``); tensors of the same name and content are
+    written once.
+    """
+    onnx = _onnx()
+    out_dir = Path(out_dir)
+    sources = sources or {}
+    written: dict[tuple[str, str], tuple[int, int]] = {}
+    with open(out_dir / WEIGHTS_FILE, "wb") as data:
+        for name, model in graphs.items():
+            for init in model.graph.initializer:
+                raw = _tensor_bytes(init, sources.get(name))
+                if len(raw) <= _INLINE_LIMIT:
+                    if init.data_location == onnx.TensorProto.EXTERNAL:
+                        del init.external_data[:]
+                        init.data_location = onnx.TensorProto.DEFAULT
+                        init.raw_data = raw
+                    continue
+                key = (init.name, hashlib.sha1(raw).hexdigest())
+                if key not in written:
+                    align = _ALIGN_LARGE if len(raw) >= (1 << 20) else _ALIGN
+                    pad = -data.tell() % align
+                    data.write(b"\0" * pad)
+                    written[key] = (data.tell(), len(raw))
+                    data.write(raw)
+                offset, length = written[key]
+                init.ClearField("raw_data")
+                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                    init.ClearField(field)
+                del init.external_data[:]
+                init.data_location = onnx.TensorProto.EXTERNAL
+                for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+                    entry = init.external_data.add()
+                    entry.key, entry.value = k, v
+            model.ir_version = IR_VERSION
+            onnx.save_model(model, str(out_dir / f"{name}.onnx"))
+
+
+def load_graph(path: Path, with_weights: bool = False) -> "onnx.ModelProto":
+    onnx = _onnx()
+    return onnx.load_model(str(path), load_external_data=with_weights)
+
+
+def _dtype_name(elem_type: int) -> str:
+    onnx = _onnx()
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).name
+
+
+def _shape(value_info) -> list[int | str]:
+    dims = value_info.type.tensor_type.shape.dim
+    return [d.dim_param if d.dim_param else (d.dim_value if d.HasField("dim_value") else "?") for d in dims]
+
+
+def describe_graph(model: "onnx.ModelProto", file: str, ops: str = "portable") -> GraphSpec:
+    def spec(v) -> TensorSpec:
+        return TensorSpec(v.name, _dtype_name(v.type.tensor_type.elem_type), _shape(v))
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    external = sorted(
+        {e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"}
+    )
+    return GraphSpec(
+        file=file,
+        inputs=[spec(v) for v in model.graph.input],
+        outputs=[spec(v) for v in model.graph.output],
+        opset=opset,
+        ops=ops,
+        external_data=external,
+    )

@@ -1,0 +1,1 @@
+"""Optimize: graph rewrites for ONNX Runtime (fused kernels) and TensorRT engine builds."""

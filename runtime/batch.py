@@ -1,0 +1,74 @@
+"""A batch of sequences decoding together: sequence i owns row i of one KV cache.
+
+New sequences are prefilled into the next free rows (``admit``); every ``step`` decodes one
+token for all of them; finished or cancelled sequences leave and the last row moves into the
+hole, so the active rows are always 0..n-1 (a contiguous view the decode graph binds).
+Both ``generate`` and the server's continuous-batching scheduler drive this one class.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmx.errors import InputError
+from llmx.runtime.sequence import Sequence
+
+Event = tuple[Sequence, str]  # a sequence and the text it made visible this step
+
+
+class Batch:
+    def __init__(self, backend, rows: int, capacity: int):
+        self.backend = backend
+        self.cache = backend.new_cache(rows, capacity)
+        self.active: list[Sequence] = []
+        self.next_ids: list[int] = []  # sampled, not yet in the cache
+
+    @property
+    def free_rows(self) -> int:
+        return self.cache.rows - len(self.active)
+
+    def admit(self, seqs: list[Sequence], padding: str = "right") -> list[Event]:
+        """Prefill ``seqs`` into free rows and sample each one's first token."""
+        if not seqs:
+            return []
+        if len(seqs) > self.free_rows:
+            raise InputError(f"batch has {self.free_rows} free rows, {len(seqs)} sequences asked to join")
+        start = len(self.active)
+        rows = list(range(start, start + len(seqs)))
+        logits = self.backend.prefill(self.cache, rows, [s.prompt_ids for s in seqs], padding)
+        self.active.extend(seqs)
+        self.next_ids.extend(0 for _ in seqs)
+        return self._sample(logits, start)
+
+    def step(self) -> list[Event]:
+        """Decode one token for every active sequence."""
+        self.compact()
+        if not self.active:
+            return []
+        ids = np.asarray(self.next_ids, dtype=np.int64)[:, None]
+        logits = self.backend.decode(self.cache, ids)[:, 0]
+        return self._sample(logits, 0)
+
+    def _sample(self, logits: np.ndarray, start: int) -> list[Event]:
+        events = []
+        for i, row_logits in enumerate(logits):
+            seq = self.active[start + i]
+            token = seq.choose(row_logits)
+            events.append((seq, seq.accept(token)))
+            self.next_ids[start + i] = token
+        self.compact()
+        return events
+
+    def compact(self) -> None:
+        """Drop finished or cancelled sequences, moving the last row into each hole."""
+        i = 0
+        while i < len(self.active):
+            if not self.active[i].finished:
+                i += 1
+                continue
+            last = len(self.active) - 1
+            self.cache.move_row(last, i)
+            self.cache.lengths[last] = 0
+            self.active[i], self.next_ids[i] = self.active[last], self.next_ids[last]
+            self.active.pop()
+            self.next_ids.pop()

@@ -1,0 +1,64 @@
+"""Engine: an artifact loaded for generation (backend + tokenizer), the runtime's front door.
+
+The CLI, the server and the benchmarks hold an Engine and never ask which backend is inside:
+every backend has ``new_cache``, ``prefill`` and ``decode`` with the same meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from llmx.errors import ArtifactError, InputError
+from llmx.manifest import Manifest, load_manifest
+from llmx.runtime.batch import Event
+from llmx.runtime.generate import generate
+from llmx.runtime.sampling import SamplingParams
+from llmx.runtime.sequence import Sequence
+from llmx.runtime.tokenizer import Tokenizer
+
+BACKENDS = ("ort-cpu", "ort-cuda", "ort-tensorrt", "tensorrt")
+
+
+def make_backend(artifact: Path, manifest: Manifest, name: str, **options):
+    if name == "ort-cpu":
+        from llmx.runtime.onnx_backend import OrtBackend
+
+        return OrtBackend(artifact, manifest, provider="cpu", **options)
+    if name in ("ort-cuda", "ort-tensorrt"):
+        from llmx.runtime.onnx_backend import OrtBackend
+
+        return OrtBackend(artifact, manifest, provider=name.removeprefix("ort-"), **options)
+    if name == "tensorrt":
+        from llmx.runtime.tensorrt_backend import TensorRTBackend
+
+        return TensorRTBackend(artifact, manifest, **options)
+    raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+
+
+@dataclass
+class Engine:
+    artifact: Path
+    manifest: Manifest
+    backend: object
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, artifact: str | Path, backend: str = "ort-cpu", **options) -> "Engine":
+        artifact = Path(artifact)
+        manifest = load_manifest(artifact)
+        if manifest.kind != "decoder":
+            raise ArtifactError(f"{artifact} holds a {manifest.kind} model; text generation needs a decoder")
+        return cls(artifact, manifest, make_backend(artifact, manifest, backend, **options), Tokenizer(artifact, manifest))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.backend.max_seq_len
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams], padding: str = "right",
+                 on_event: Callable[[Event], None] | None = None) -> list[Sequence]:
+        return generate(self.backend, self.tokenizer, [self.encode(p) for p in prompts], params, padding, on_event)

@@ -1,0 +1,154 @@
+"""The ONNX Runtime backend: prefill and decode graphs driven through IO binding.
+
+Decode binds each layer's KV buffer (the first ``n`` rows: a contiguous view) as both past and
+present, so the graph's scatter writes new entries in place: no step allocates or copies the
+cache. Logits land in a reused output buffer. Prefill runs the prefill graph and copies each
+sequence's keys/values into its cache row once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmx.errors import ArtifactError, InputError, LlmxError
+from llmx.manifest import Manifest
+from llmx.runtime.kv_cache import KVCache
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+
+
+def _ort():
+    from llmx.errors import require
+
+    return require("onnxruntime", "running ONNX graphs", "cpu")
+
+
+def session_options(threads: int | None = None, optimization: str = "all", spin: bool = True):
+    ort = _ort()
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads or _physical_cores()
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    levels = {
+        "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    if optimization not in levels:
+        raise InputError(f"optimization level must be one of {', '.join(levels)}, got {optimization!r}")
+    opts.graph_optimization_level = levels[optimization]
+    # Spinning keeps decode latency low on a dedicated box; a shared server may turn it off.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    opts.log_severity_level = 3
+    return opts
+
+
+def _physical_cores() -> int:
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1
+
+
+class OrtBackend:
+    """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider."""
+
+    def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
+                 optimization: str = "all", spin: bool = True):
+        ort = _ort()
+        if provider not in PROVIDERS:
+            raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+        if provider != "cpu":
+            raise LlmxError(f"the {provider} provider needs device-resident KV buffers; use --backend ort-cpu here")
+        self.artifact, self.manifest = Path(artifact), manifest
+        opts = session_options(threads, optimization, spin)
+        self.sessions = {}
+        for name in ("prefill", "decode"):
+            graph = manifest.graphs.get(name)
+            if graph is None:
+                raise ArtifactError(f"artifact has no {name} graph")
+            path = self.artifact / graph.file
+            if not path.is_file():
+                raise ArtifactError(f"artifact is missing {graph.file}")
+            try:
+                self.sessions[name] = ort.InferenceSession(str(path), opts, providers=[PROVIDERS[provider]])
+            except Exception as exc:
+                raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
+        kv = manifest.kv
+        self.num_layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
+        self.kv_dtype = np.dtype(kv.get("dtype", "float32"))
+        self.vocab_size = int(manifest.model["vocab_size"])
+        self.past_names = [kv["past"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
+        self.present_names = [kv["present"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
+        self._binding = self.sessions["decode"].io_binding()
+        self._logits: np.ndarray | None = None
+        self.prefill_calls = 0  # for tests and metrics: how often the prefill graph ran
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.manifest.max_seq_len
+
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, rows, capacity, self.max_seq_len, self.kv_dtype)
+
+    # -- prefill ---------------------------------------------------------------------------
+
+    def prefill(self, cache: KVCache, rows: list[int], prompts: list[list[int]], padding: str = "right") -> np.ndarray:
+        """Run whole prompts; write their KV into ``rows``; return last-position logits [n, V]."""
+        lengths = [len(p) for p in prompts]
+        if min(lengths) < 1:
+            raise InputError("a prompt must have at least one token")
+        width = max(lengths)
+        cache.ensure_capacity(width)
+        ids = np.zeros((len(prompts), width), np.int64)
+        mask = np.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            span = slice(width - len(p), width) if padding == "left" else slice(0, len(p))
+            ids[i, span], mask[i, span] = p, 1
+        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        outputs = self.sessions["prefill"].run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+        self.prefill_calls += 1
+        logits, presents = outputs[0], outputs[1:]
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            span = slice(width - n, width) if padding == "left" else slice(0, n)
+            cache.write(row, [p[i, :, span] for p in presents])
+        if logits.shape[1] != 1:  # an artifact exported with all prefill logits
+            picks = [width - 1 if padding == "left" else n - 1 for n in lengths]
+            return logits[np.arange(len(prompts)), picks]
+        return logits[:, 0]
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def decode(self, cache: KVCache, input_ids: np.ndarray) -> np.ndarray:
+        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
+        n, t = input_ids.shape
+        lengths = cache.lengths[:n]
+        total = int(lengths.max()) + t
+        cache.ensure_capacity(total)
+        positions = lengths[:, None] + np.arange(t, dtype=np.int64)[None]
+        mask = (np.arange(total)[None] < (lengths + t)[:, None]).astype(np.int64)
+        b = self._binding
+        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        b.bind_cpu_input("position_ids", positions)
+        b.bind_cpu_input("attention_mask", mask)
+        shape = (n, self.kv_heads, cache.capacity, self.head_dim)
+        for past, present, buf in zip(self.past_names, self.present_names, cache.buffers):
+            ptr = buf.ctypes.data  # rows 0..n-1 are the first n * row_size elements
+            b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
+            b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
+        if self._logits is None or self._logits.shape != (n, t, self.vocab_size):
+            self._logits = np.empty((n, t, self.vocab_size), np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, self._logits.shape, self._logits.ctypes.data)
+        self.sessions["decode"].run_with_iobinding(b)
+        cache.lengths[:n] += t
+        return self._logits

@@ -1,0 +1,161 @@
+"""Sampling: pure functions from a logits row to a token, plus the parameters that drive them.
+
+Order follows transformers' processors: penalties, temperature, then the filters top-k,
+top-p, min-p and typical-p, then a draw from the sequence's own seeded generator (so a
+sequence's tokens never depend on what else is in the batch). ``temperature == 0`` is greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmx.errors import InputError
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI-style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+
+    def validate(self) -> "SamplingParams":
+        def check(ok: bool, name: str, rule: str):
+            if not ok:
+                raise InputError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
+        check(_finite(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0")
+        check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        check(_finite(self.typical_p) and 0 < self.typical_p <= 1, "typical_p", "in (0, 1]")
+        check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "> 0")
+        check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs", "an integer in [0, 20]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def apply_penalties(logits: np.ndarray, params: SamplingParams, context_ids: np.ndarray, output_counts: dict[int, int]) -> np.ndarray:
+    """Repetition penalty over ``context_ids`` (prompt + output); presence/frequency over output."""
+    if params.repetition_penalty != 1.0 and len(context_ids):
+        ids = np.unique(context_ids)
+        picked = logits[ids]
+        logits[ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_counts:
+        ids = np.fromiter(output_counts.keys(), dtype=np.int64)
+        counts = np.fromiter(output_counts.values(), dtype=np.float32)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts
+    return logits
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max())
+    return z / z.sum()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
+    if k <= 0 or k >= logits.size:
+        return logits
+    kth = np.partition(logits, -k)[-k]
+    return np.where(logits < kth, -np.inf, logits)
+
+
+def top_p_mask(logits: np.ndarray, p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose probability reaches ``p``.
+
+    Sorting the whole vocabulary each step is slow (50k entries), so candidates come from
+    argpartition, doubling until they hold enough mass; the kept set is exact.
+    """
+    if p >= 1.0:
+        return logits
+    probs = softmax(logits)
+    k = min(64, probs.size)
+    while True:
+        candidates = np.argpartition(probs, -k)[-k:] if k < probs.size else np.arange(probs.size)
+        order = candidates[np.argsort(-probs[candidates], kind="stable")]
+        cumulative = np.cumsum(probs[order])
+        if cumulative[-1] >= p or k == probs.size:
+            keep = order[: int(np.searchsorted(cumulative, p)) + 1]
+            break
+        k = min(2 * k, probs.size)
+    out = np.full_like(logits, -np.inf)
+    out[keep] = logits[keep]
+    return out
+
+
+def min_p_mask(logits: np.ndarray, min_p: float) -> np.ndarray:
+    if min_p <= 0:
+        return logits
+    probs = softmax(logits)
+    return np.where(probs < min_p * probs.max(), -np.inf, logits)
+
+
+def typical_mask(logits: np.ndarray, mass: float) -> np.ndarray:
+    """Locally typical sampling (Meister et al. 2022), as transformers' TypicalLogitsWarper."""
+    if mass >= 1.0:
+        return logits
+    logp = log_softmax(logits)
+    p = np.exp(logp)
+    entropy = -np.nansum(p * logp)
+    order = np.argsort(np.abs(-logp - entropy), kind="stable")
+    cumulative = np.cumsum(p[order])
+    last = min(int(np.searchsorted(cumulative, mass)), logits.size - 1)
+    out = np.full_like(logits, -np.inf)
+    out[order[: last + 1]] = logits[order[: last + 1]]
+    return out
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Temperature and filters: the distribution a token is drawn from, as logits."""
+    logits = logits / params.temperature
+    logits = top_k_mask(logits, params.top_k)
+    logits = top_p_mask(logits, params.top_p)
+    logits = min_p_mask(logits, params.min_p)
+    return typical_mask(logits, params.typical_p)
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    if params.greedy:
+        return int(np.argmax(logits))
+    probs = softmax(warp(logits, params))
+    # Inverse-CDF draw: one uniform per token, so a seed fixes the whole sequence.
+    index = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
+    return min(index, probs.size - 1)
+
+
+def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    ids = np.argpartition(logprobs, -k)[-k:]
+    ids = ids[np.argsort(-logprobs[ids], kind="stable")]
+    return [(int(i), float(logprobs[i])) for i in ids]

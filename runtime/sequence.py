@@ -1,0 +1,122 @@
+"""One sequence being generated: its tokens, sampler state, streamed text and finish reason.
+
+The generation loop and the server's scheduler both hold Sequences; a Sequence never touches
+the backend. ``choose`` turns a logits row into the next token; ``accept`` appends it and
+returns the text that may be shown now (held back while it could still begin a stop string).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmx.runtime.sampling import SamplingParams, apply_penalties, log_softmax, sample, top_logprobs
+from llmx.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_ids = itertools.count()
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+class StopStrings:
+    """Finds stop strings in streamed text and holds back any tail that could start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.pending += delta
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, max_len: int):
+        self.id = next(_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.tokenizer = tokenizer
+        self.max_len = max_len  # prompt + output may not exceed it (the KV capacity)
+        self.output_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.rng = np.random.default_rng(params.seed)
+        self.counts: dict[int, int] = {}
+        self._context = np.array(self.prompt_ids, dtype=np.int64)
+        self._detok = IncrementalDetokenizer(tokenizer, self.prompt_ids)
+        self._stops = StopStrings(params.stop)
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def choose(self, logits: np.ndarray) -> int:
+        """Sample the next token from a logits row [V] (left untouched)."""
+        p = self.params
+        work = logits.astype(np.float32, copy=True)
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            work = apply_penalties(work, p, self._context, self.counts)
+        token = sample(work, p, self.rng)
+        if p.logprobs is not None:
+            # Logprobs of the model's own distribution, before penalties and temperature.
+            lp = log_softmax(logits.astype(np.float32))
+            top = [(i, self.tokenizer.token_text(i), v) for i, v in top_logprobs(lp, p.logprobs)]
+            self.logprobs.append(TokenLogprob(token, self.tokenizer.token_text(token), float(lp[token]), top))
+        return token
+
+    def accept(self, token: int) -> str:
+        """Append a chosen token; return newly visible text. Sets finish_reason when done."""
+        self.output_ids.append(token)
+        self.counts[token] = self.counts.get(token, 0) + 1
+        if self.params.repetition_penalty != 1.0:
+            self._context = np.append(self._context, token)
+        if token in self._stop_ids:
+            self.finish_reason = "stop"
+            return self._finish_text()
+        emitted, hit = self._stops.feed(self._detok.push(token))
+        self.text += emitted
+        if hit:
+            self.finish_reason = "stop"
+            return emitted
+        if len(self.output_ids) >= self.params.max_new_tokens or self.length >= self.max_len:
+            self.finish_reason = "length"
+            return emitted + self._finish_text()
+        return emitted
+
+    def _finish_text(self) -> str:
+        emitted, hit = self._stops.feed(self._detok.flush())
+        rest = "" if hit else self._stops.flush()
+        self.text += emitted + rest
+        return emitted + rest
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        self.finish_reason = reason

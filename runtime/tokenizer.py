@@ -1,0 +1,79 @@
+"""Tokenization for the runtime: the ``tokenizers`` library on the artifact's tokenizer.json.
+
+``IncrementalDetokenizer`` turns a growing list of token ids into text deltas that are always
+valid UTF-8: a token that ends inside a multi-byte character (byte-level BPE splits emoji and
+CJK across tokens) produces no text until the character is complete.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from llmx.errors import ArtifactError
+from llmx.manifest import Manifest
+
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, artifact: Path, manifest: Manifest):
+        section = manifest.tokenizer
+        path = Path(artifact) / section["file"]
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:
+            raise ArtifactError(f"cannot load tokenizer {path}: {exc}") from exc
+        self.bos_token_id: int | None = section.get("bos_token_id")
+        self.eos_token_ids: list[int] = list(section.get("eos_token_ids") or [])
+        self.pad_token_id: int = section.get("pad_token_id") or 0
+        template = section.get("chat_template")
+        self.chat_template: str | None = (Path(artifact) / template).read_text() if template else None
+        self.bos_token, self.eos_token = section.get("bos_token"), section.get("eos_token")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own, as OpenAI's logprobs report it."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing token list (the prefix/read-offset scheme used by vLLM and TGI).
+
+    Decoding a window that starts a few tokens back keeps tokenizers that drop a leading
+    space on the first token (SentencePiece) from gluing words together.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], window: int = 5):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - window, 0)
+        self.read_offset = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end (an incomplete character decodes as U+FFFD)."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""

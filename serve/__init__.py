@@ -1,0 +1,1 @@
+"""Serve: an OpenAI-compatible HTTP server over the runtime. No torch."""

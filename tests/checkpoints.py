@@ -1,0 +1,71 @@
+"""Tiny local Hugging Face checkpoints for tests: random weights, a small trained BPE tokenizer.
+
+Nothing is downloaded: the tokenizer is trained on a CPython stdlib module's source and the
+model is a transformers config with random weights, saved with ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# Small but complete shapes: GQA (heads 4, kv 2), 2 layers, all family quirks switched on.
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def train_tokenizer(directory: Path, vocab_size: int = 320) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([inspect.getsource(textwrap), inspect.getsource(json)], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+    return tok.get_vocab_size()
+
+
+def make_config(family: str, vocab_size: int, **overrides):
+    import transformers as T
+
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "gpt2":
+        cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
+        return T.GPT2Config(**{**cfg, **overrides})
+    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config}[family]
+    extra = {"mistral": dict(sliding_window=16, num_key_value_heads=1), "llama": dict(tie_word_embeddings=False)}.get(family, {})
+    return cls(**{**TINY, **common, **extra, **overrides})
+
+
+def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    import torch
+    import transformers as T
+
+    vocab = train_tokenizer(directory)
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(make_config(family, vocab, **overrides))
+    # Random init is near-uniform over the vocab; scale up so greedy choices are decisive
+    # and parity tests compare real argmaxes, not near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(2.5)
+    model.eval().save_pretrained(directory)
+    return directory
