@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny checkpoints and their exported artifacts, built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+
+# Named checkpoint variants: each family, plus Llama with the quirks switched the other way.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", {}),
+    "llama-tied-llama3rope-bias": (
+        "llama",
+        dict(
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+    ),
+    "llama-yarn": ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("mistral", {}),  # sliding window 16, one KV head
+    "qwen2": ("qwen2", {}),  # q/k/v bias
+    "gpt2": ("gpt2", {}),  # learned positions, LayerNorm, GELU, Conv1D weights
+}
+
+
+class _Store:
+    """Builds each named variant's checkpoint and artifact at most once per test session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.checkpoints: dict[str, Path] = {}
+        self.artifacts: dict[str, Path] = {}
+
+    def checkpoint(self, variant: str) -> Path:
+        if variant not in self.checkpoints:
+            family, overrides = VARIANTS[variant]
+            self.checkpoints[variant] = make_checkpoint(self.root / "ckpt" / variant, family, **overrides)
+        return self.checkpoints[variant]
+
+    def artifact(self, variant: str) -> Path:
+        from llmx.export import export_checkpoint
+
+        if variant not in self.artifacts:
+            out = self.root / "art" / variant
+            export_checkpoint(self.checkpoint(variant), out)
+            self.artifacts[variant] = out
+        return self.artifacts[variant]
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory) -> _Store:
+    return _Store(tmp_path_factory.mktemp("llmx"))
+
+
+@pytest.fixture(scope="session")
+def llama_artifact(store) -> Path:
+    return store.artifact("llama")
+
+
+@pytest.fixture(scope="session")
+def llama_engine(llama_artifact):
+    from llmx.runtime.engine import Engine
+
+    return Engine.load(llama_artifact, threads=1)
+
+
+def has_cuda() -> bool:
+    try:
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return False
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except (ImportError, OSError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,128 @@
+"""Sampling filters and penalties as pure functions, and sampling through the real engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmx.errors import InputError
+from llmx.runtime import sampling as S
+from llmx.runtime.sampling import SamplingParams
+
+
+def probs_of(logits):
+    return S.softmax(logits)
+
+
+def test_top_k_keeps_exactly_k_largest():
+    logits = np.array([0.1, 3.0, -1.0, 2.0, 2.5, 0.0], np.float32)
+    kept = np.isfinite(S.top_k_mask(logits, 3))
+    assert kept.tolist() == [False, True, False, True, True, False]
+    assert np.isfinite(S.top_k_mask(logits, 0)).all()
+
+
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9, 0.999])
+def test_top_p_keeps_smallest_prefix_reaching_p(p):
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=5000).astype(np.float32) * 3
+    kept = np.isfinite(S.top_p_mask(logits, p))
+    probs = probs_of(logits)
+    order = np.argsort(-probs)
+    n = int(np.searchsorted(np.cumsum(probs[order]), p)) + 1
+    assert kept.sum() == n
+    assert kept[order[:n]].all()
+    assert probs[kept].sum() >= p - 1e-6
+
+
+def test_min_p_drops_tokens_below_fraction_of_top():
+    logits = np.log(np.array([0.5, 0.3, 0.12, 0.05, 0.03], np.float32))
+    kept = np.isfinite(S.min_p_mask(logits, 0.2))  # threshold 0.1
+    assert kept.tolist() == [True, True, True, False, False]
+
+
+def test_typical_keeps_tokens_nearest_the_entropy():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
+    kept = np.isfinite(S.typical_mask(logits, 0.5))
+    assert kept.sum() >= 1 and not kept.all()
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = np.array([2.0, -2.0, 1.0], np.float32)
+    out = S.apply_penalties(logits.copy(), SamplingParams(repetition_penalty=2.0), np.array([0, 1]), {})
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula():
+    logits = np.zeros(4, np.float32)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = S.apply_penalties(logits, params, np.array([]), {1: 1, 3: 4})
+    assert out.tolist() == [0.0, -0.75, 0.0, -1.5]
+
+
+def test_sample_respects_masks_and_seed():
+    logits = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_k=5)
+    allowed = set(np.argsort(-logits)[:5].tolist())
+    draws = [S.sample(logits, params, np.random.default_rng(s)) for s in range(200)]
+    assert set(draws) <= allowed and len(set(draws)) > 1
+    again = [S.sample(logits, params, np.random.default_rng(s)) for s in range(200)]
+    assert draws == again
+
+
+def test_sample_frequencies_follow_the_distribution():
+    probs = np.array([0.6, 0.3, 0.1])
+    rng = np.random.default_rng(0)
+    draws = np.bincount([S.sample(np.log(probs), SamplingParams(), rng) for _ in range(6000)], minlength=3) / 6000
+    np.testing.assert_allclose(draws, probs, atol=0.03)
+
+
+def test_greedy_is_argmax():
+    logits = np.array([0.1, 5.0, 4.9], np.float32)
+    assert S.sample(logits, SamplingParams(temperature=0), np.random.default_rng()) == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0),
+     ("max_new_tokens", 0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("temperature", float("nan")),
+     ("logprobs", 50), ("stop", [""])],
+)
+def test_bad_sampling_values_are_rejected(field, value):
+    with pytest.raises(InputError, match=field):
+        SamplingParams(**{field: value}).validate()
+
+
+# -- through the engine -------------------------------------------------------------------
+
+
+def test_same_seed_same_text_different_seed_differs(llama_engine):
+    p = dict(max_new_tokens=24, temperature=1.0, top_p=0.95)
+    a = llama_engine.generate(["def"], SamplingParams(seed=7, **p))[0].output_ids
+    b = llama_engine.generate(["def"], SamplingParams(seed=7, **p))[0].output_ids
+    c = llama_engine.generate(["def"], SamplingParams(seed=8, **p))[0].output_ids
+    assert a == b and a != c
+
+
+def test_seeded_sequence_does_not_depend_on_batch_mates(llama_engine):
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=3)
+    alone = llama_engine.generate(["import os"], params)[0].output_ids
+    batch = llama_engine.generate(["import os", "x = 1"], [params, SamplingParams(max_new_tokens=16, seed=4)])
+    assert batch[0].output_ids == alone
+
+
+def test_logprobs_are_log_probabilities_of_the_chosen_tokens(llama_engine):
+    seq = llama_engine.generate(["def"], SamplingParams(max_new_tokens=8, temperature=0, logprobs=5, ignore_eos=True))[0]
+    assert len(seq.logprobs) == 8
+    for tok, lp in zip(seq.output_ids, seq.logprobs):
+        assert lp.token_id == tok and lp.logprob <= 0
+        values = [v for _, _, v in lp.top]
+        assert values == sorted(values, reverse=True) and len(values) == 5
+        assert lp.top[0][0] == tok  # greedy picks the most likely token
+        assert np.exp(values).sum() <= 1 + 1e-5
+
+
+def test_repetition_penalty_changes_greedy_output(llama_engine):
+    base = llama_engine.generate(["x"], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))[0]
+    pen = llama_engine.generate(["x"], SamplingParams(max_new_tokens=30, temperature=0, repetition_penalty=5.0, ignore_eos=True))[0]
+    assert len(set(pen.output_ids)) >= len(set(base.output_ids))
+    assert pen.output_ids != base.output_ids
