@@ -1,4 +1,4 @@
-"""Reading a local Hugging Face checkpoint directory: config, weights and tokenizer files.
+"""Reading a local Hugging Face checkpoint directory: config and weights.
 
 Weights come from ``*.safetensors`` (single or sharded with an index) or ``pytorch_model.bin``
 (single or sharded). They are renamed into llmx's module names by one rule table per family
@@ -17,15 +17,6 @@ import torch
 
 from llmx.errors import CheckpointError
 from llmx.export.spec import ModelSpec, spec_from_hf_config
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 # (llmx name, HF names relative to a layer or the model, how to combine). "{i}" is the layer.
 _LLAMA = {
@@ -114,7 +105,6 @@ class Checkpoint:
     config: dict
     spec: ModelSpec
     weight_files: list[Path]
-    tokenizer_files: list[Path]
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -129,8 +119,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
     spec = spec_from_hf_config(config)
-    tokenizer_files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
-    return Checkpoint(path, config, spec, _weight_files(path), tokenizer_files)
+    return Checkpoint(path, config, spec, _weight_files(path))
 
 
 def _weight_files(path: Path) -> list[Path]:
