@@ -84,6 +84,10 @@ def artifact_facts(src: Path, manifest: Manifest) -> ArtifactFacts:
 
     if manifest.kind != "decoder" or "decode" not in manifest.graphs:
         raise ArtifactError(f"{src} is not a decoder artifact with prefill/decode graphs")
+    fused = [name for name, g in manifest.graphs.items() if g.ops != "portable"]
+    if fused:
+        raise ArtifactError(f"{src}'s {', '.join(fused)} graph uses ONNX Runtime-only fused ops, which TensorRT cannot "
+                            "parse: build from the artifact before `llmx optimize`")
     decode = manifest.graphs["decode"]
     qdq = qdq_summary(load_graph(src / decode.file), base_dir=src) if (src / decode.file).is_file() else {}
     table = find_calibration_table(src, manifest)

@@ -99,7 +99,8 @@ class OrtDeviceBackend:
         if not path.is_file():
             raise ArtifactError(f"artifact is missing {graph.file}")
         stream = {"user_compute_stream": str(self.device.stream), "has_user_compute_stream": "1"}
-        cuda = ("CUDAExecutionProvider", {"device_id": str(self.device_index), **stream})
+        # use_tf32 off: fp32 graphs stay fp32 (as on the CPU backend); fp16 graphs are the fast path.
+        cuda = ("CUDAExecutionProvider", {"device_id": str(self.device_index), "use_tf32": "0", **stream})
         providers = {
             "cpu": ["CPUExecutionProvider"],
             "cuda": [cuda, "CPUExecutionProvider"],

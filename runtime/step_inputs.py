@@ -1,4 +1,5 @@
-"""The small integer inputs of a prefill or decode call, shared by every backend.
+"""The small integer inputs of a prefill or decode call, for the device backends (the CPU
+backend builds the same arrays inline).
 
 Positions come from the mask (``cumsum - 1``), so left- and right-padded batches give each
 row the same positions it would have alone; a token at position p is stored in KV slot p.
