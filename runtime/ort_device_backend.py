@@ -25,7 +25,7 @@ from llmx.errors import ArtifactError, InputError, LlmxError
 from llmx.manifest import Manifest
 from llmx.optimize.trt_profiles import BuildLimits, axis_ranges, graph_profile, ort_trt_profile_options
 from llmx.optimize.trt_records import llmx_cache_dir
-from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, scratch_presents, take_prompts
+from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, kv_io_names, scratch_presents, take_prompts
 from llmx.runtime.onnx_backend import PROVIDERS, _ort, session_options
 from llmx.runtime.step_inputs import decode_inputs, prompt_inputs
 
@@ -81,8 +81,7 @@ class OrtDeviceBackend:
         self.device_index = 0 if provider == "cpu" else device
         self.num_layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
         self.vocab_size = int(manifest.model["vocab_size"])
-        self.past_names = [kv["past"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
-        self.present_names = [kv["present"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
+        self.past_names, self.present_names = kv_io_names(kv)
         opts = session_options(threads, optimization)
         self.sessions = {name: self._session(ort, name, provider, opts, workspace_bytes) for name in ("prefill", "decode")}
         self.limit = build_limits(manifest).max_seq_len if provider == "tensorrt" else manifest.max_seq_len

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.cuda import open_device
+from llmx.cuda import ALIGN, open_device
 from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest
 from llmx.optimize.trt_records import check_engine_compatible, import_tensorrt
-from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, scratch_presents, take_prompts
+from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, kv_io_names, scratch_presents, take_prompts
 from llmx.runtime.kv_cache import round_up
 from llmx.runtime.step_inputs import decode_inputs, prompt_inputs
 from llmx.runtime.trt_context import TrtContext
@@ -38,7 +38,7 @@ class TensorRTBackend:
     """Runs an artifact's TensorRT engines; same interface as OrtBackend."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, threads: int | None = None, device: int = 0,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, kv_in_place: bool = True):
         self.artifact, self.manifest = Path(artifact), manifest
         record = manifest.extras.get("tensorrt")
         if not record:
@@ -51,9 +51,11 @@ class TensorRTBackend:
         self.num_layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
         self.kv_dtype = kv.get("dtype", "float32")
         self.vocab_size = int(manifest.model["vocab_size"])
-        self.past_names = [kv["past"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
-        self.present_names = [kv["present"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
+        self.past_names, self.present_names = kv_io_names(kv)
         self.limits, self.layout, self.cuda_graphs = record["limits"], record["layout"], cuda_graphs
+        # kv_in_place=False: present goes to scratch and is copied back (one cache copy per step),
+        # for a TensorRT that refuses or mishandles past and present bound to the same memory.
+        self.kv_in_place = kv_in_place
         self.engines = self._load_engines(trt, record)
         main = "prefill" if self.layout == "split" else "model"
         self.prefill_ctx = TrtContext(trt, self.engines[main], 0, self.device, f"{main}.engine (prefill)")
@@ -140,11 +142,11 @@ class TensorRTBackend:
             addresses = self.buffers.upload("prefill_inputs", {
                 "input_ids": ids[:, off:off + t], "attention_mask": mask[:, :off + t], "position_ids": positions})
             addresses["logits"] = self.buffers.get("prefill_logits", b * t * self.vocab_size * 4)
-            for i, (past, present) in enumerate(zip(self.past_names, self.present_names)):
-                addresses[past] = addresses[present] = cache.row_ptr(i, start)
+            copies = self._bind_cache(addresses, cache, start, b)
             shapes = {"input_ids": (b, t), "position_ids": (b, t), "attention_mask": (b, off + t),
                       **{name: kv_shape for name in self.past_names}}
             self.prefill_ctx.run(shapes, addresses)
+            self._copy_back(copies)
             done = [i for i, n in enumerate(lengths) if off <= n - 1 < off + t]
             if done:
                 picked = self._download_logits(addresses["logits"], t, [lengths[i] - 1 - off for i in done], done)
@@ -177,17 +179,34 @@ class TensorRTBackend:
         addresses = self.buffers.upload("decode_inputs", {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64), "attention_mask": mask, "position_ids": positions})
         addresses["logits"] = self.buffers.get("decode_logits", n * t * self.vocab_size * 4)
-        for i, (past, present) in enumerate(zip(self.past_names, self.present_names)):
-            addresses[past] = addresses[present] = cache.buffers[i]
+        copies = self._bind_cache(addresses, cache, 0, n)
         kv_shape = (n, self.kv_heads, cache.capacity, self.head_dim)
         shapes = {"input_ids": (n, t), "position_ids": (n, t), "attention_mask": (n, width),
                   **{name: kv_shape for name in self.past_names}}
         self.decode_ctx.run(shapes, addresses, graph=self.cuda_graphs)
+        self._copy_back(copies)
         if self._logits_host is None or self._logits_host.shape != (n, t, self.vocab_size):
             self._logits_host = np.empty((n, t, self.vocab_size), np.float32)
         self.device.download(self._logits_host, addresses["logits"])
         cache.lengths[:n] += t
         return self._logits_host
+
+    def _bind_cache(self, addresses: dict, cache: DeviceKVCache, first_row: int, rows: int) -> list[tuple[int, int, int]]:
+        """Bind rows first_row.. of each cache buffer as past and (in place) present; else
+        present to scratch, returning the (dst, src, nbytes) copies that bring it back."""
+        nbytes, copies = rows * cache.row_bytes, []
+        stride = round_up(nbytes, ALIGN)
+        scratch = None if self.kv_in_place else self.buffers.get("present_scratch", stride * len(self.present_names))
+        for i, (past, present) in enumerate(zip(self.past_names, self.present_names)):
+            addresses[past] = cache.row_ptr(i, first_row)
+            addresses[present] = addresses[past] if scratch is None else scratch + i * stride
+            if scratch is not None:
+                copies.append((addresses[past], addresses[present], nbytes))
+        return copies
+
+    def _copy_back(self, copies: list[tuple[int, int, int]]) -> None:
+        for dst, src, nbytes in copies:
+            self.device.copy(dst, src, nbytes)
 
     def close(self) -> None:
         self.prefill_ctx.close()

@@ -97,6 +97,14 @@ def test_tensorrt_logits_match_the_cpu_backend_step_by_step(built, device, layou
         np.testing.assert_allclose(x, y, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["split", "shared"])
+def test_copy_back_instead_of_in_place_gives_the_same_tokens(built, device, layout):
+    art = built("fp16", layout)
+    copy_back = Engine.load(art, backend="tensorrt", kv_in_place=False)
+    assert tokens(copy_back) == tokens(Engine.load(art, threads=1))
+    assert copy_back.backend.decode_ctx.replays > 0
+
+
 def test_multi_token_decode_steps_and_no_graphs(built, device):
     art = built("fp16", "split")
     trt = Engine.load(art, backend="tensorrt", cuda_graphs=False).backend

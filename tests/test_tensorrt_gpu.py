@@ -26,7 +26,20 @@ PROMPTS = ["def fibonacci(n):", "import json\nclass Encoder(json.JSONEncoder):",
 FP16_TOLERANCE = 2e-2  # of max |logit|
 SMOLLM_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
-                   rms_norm_eps=1e-5)
+                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def smollm_shape_checkpoint(directory):
+    """HuggingFaceTB/SmolLM-135M's shape with random weights (speed and numerics depend on shapes)."""
+    import torch
+    import transformers
+
+    from checkpoints import train_tokenizer
+
+    train_tokenizer(directory)  # a small vocabulary: prompts use ids below 320 of the model's 49152
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM_135M)).eval().save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +147,10 @@ def test_int8_engine_from_a_qdq_artifact(built, llama_artifact, tmp_path):
 
 @pytest.mark.slow
 def test_smollm_135m_shape_builds_and_matches_onnx_runtime_cpu(trt, tmp_path):
-    from checkpoints import make_checkpoint
     from llmx.export import export_checkpoint
     from llmx.optimize.trt_build import PolygraphyBuilder
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SMOLLM_135M)
+    ckpt = smollm_shape_checkpoint(tmp_path / "ckpt")
     export_checkpoint(ckpt, tmp_path / "art")
     plan = plan_build(tmp_path / "art", "fp16", "split", BuildLimits(max_batch=8, max_seq_len=2048))
     build_artifact(tmp_path / "art", tmp_path / "trt", plan, lambda: PolygraphyBuilder(), log=print)
