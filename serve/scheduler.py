@@ -73,8 +73,10 @@ class Scheduler:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.metrics = metrics or Metrics()
         self.engine = None
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # the engine is loaded and the loop runs
+        self.settled = threading.Event()  # loading is over, one way or the other
         self.load_error: str | None = None
+        self.load_exception: BaseException | None = None
         self._load_engine = load_engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -131,9 +133,11 @@ class Scheduler:
             self.engine = self._load_engine()
             self._new_batch()
         except Exception as exc:  # noqa: BLE001 -- reported by /ready and every request
-            self.load_error = str(exc) or type(exc).__name__
+            self.load_error, self.load_exception = str(exc) or type(exc).__name__, exc
             log.error("engine failed to load: %s", self.load_error)
             return
+        finally:
+            self.settled.set()
         self.ready.set()
         while self._drain(block=not self._busy()):
             try:

@@ -4,6 +4,8 @@ plain generation loop's for the same settings: batching never changes what a req
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,9 @@ from llmx.runtime.chunked_prefill import ChunkedPrefill
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
 from llmx.runtime.sequence import Sequence
+from llmx.serve.errors import ApiError
 from llmx.serve.scheduler import QueueFull, Scheduler
+from llmx.serve.service import Service
 
 LONG = "def parse(text, *, strict=True):\n    for i, line in enumerate(text.splitlines()):\n        yield i, line.strip()\n"
 
@@ -154,3 +158,17 @@ def test_time_between_tokens_is_recorded(engine):
         assert value("llmx_generation_tokens_total") == 6 and value("llmx_prompt_tokens_total") == len(engine.encode("def"))
     finally:
         scheduler.stop()
+
+
+def test_not_ready_until_the_engine_loads(engine):
+    gate = threading.Event()
+    service = Service(Scheduler(lambda: gate.wait(30) and engine).start(), "llama")
+    try:
+        with pytest.raises(ApiError) as info:
+            service.ready()
+        assert info.value.status == 503 and info.value.headers() == {"Retry-After": "1"}
+        assert service.health() == {"status": "ok"}
+        gate.set()
+        assert service.scheduler.ready.wait(30) and service.ready()["status"] == "ready"
+    finally:
+        service.scheduler.stop()

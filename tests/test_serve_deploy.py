@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,23 +77,55 @@ def test_llmx_serve_command(llama_artifact, llama_engine):
         stop(proc, signal.SIGINT)
 
 
+@pytest.fixture
+def broken_artifact(llama_artifact, tmp_path) -> Path:
+    """A copy whose decode graph is garbage: the manifest reads fine, the engine cannot load."""
+    copy = tmp_path / "broken"
+    shutil.copytree(llama_artifact, copy)
+    (copy / "decode.onnx").write_bytes(b"not an onnx graph")
+    return copy
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["serve", "{missing}"], "does not exist"),
         (["serve", "{art}", "--port", "{busy}"], "cannot listen on 127.0.0.1:{busy}"),
+        (["serve", "{broken}", "--port", "0"], "cannot load decode.onnx"),
+        (["serve", "{art}", "--max-batch", "0"], "0 is not in the range x>=1"),
     ],
-    ids=["missing-artifact", "port-in-use"],
+    ids=["missing-artifact", "port-in-use", "corrupt-graph", "bad-option"],
 )
-def test_llmx_serve_bad_input_is_one_error_line(llama_artifact, tmp_path, args, message):
+def test_llmx_serve_bad_input_is_one_error_line(llama_artifact, broken_artifact, tmp_path, args, message):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        fill = dict(missing=tmp_path / "nope", art=llama_artifact, busy=busy.getsockname()[1])
+        fill = dict(missing=tmp_path / "nope", art=llama_artifact, broken=broken_artifact, busy=busy.getsockname()[1])
         argv = [a.format(**fill) for a in args]
         proc = subprocess.run([sys.executable, "-m", "llmx.cli", *argv, "--threads", "1"], capture_output=True, text=True, timeout=120)
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert proc.returncode != 0 and lines[-1].startswith("error: ") and message.format(**fill) in lines[-1], proc.stderr
+    assert proc.returncode != 0 and lines[-1].lower().startswith("error: ") and message.format(**fill) in lines[-1], proc.stderr
+
+
+def test_an_engine_that_failed_to_load_answers_503_not_ready(broken_artifact):
+    from werkzeug.serving import make_server
+
+    from llmx.serve import create_app
+
+    app = create_app(broken_artifact, threads=1)  # as gunicorn's factory call would
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert app.extensions["llmx"].scheduler.settled.wait(60)
+        url = f"http://127.0.0.1:{server.server_port}"
+        ready = requests.get(url + "/ready", timeout=10)
+        assert ready.status_code == 503 and "model failed to load" in ready.json()["error"]["message"]
+        assert requests.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 503
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine):
@@ -114,6 +148,28 @@ def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine):
         stop(proc)
     log = proc.stderr.read()
     assert log.count("Booting worker") == 2 and "gthread" in log, log
+
+
+def test_gunicorn_preload_is_refused_with_a_clear_error(llama_artifact):
+    """--preload would create the engine in the master and fork it: llmx answers 500, never hangs."""
+    pytest.importorskip("gunicorn")
+    port = free_port()
+    env = {**os.environ, "LLMX_BIND": f"127.0.0.1:{port}", "LLMX_WORKERS": "1", "LLMX_WORKER_THREADS": "4"}
+    app = f'llmx.serve:create_app("{llama_artifact}", threads=1)'
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", app, "-c", str(ROOT / "deploy" / "gunicorn.conf.py"), "--preload"],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                ready = requests.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.3)
+        assert ready.status_code == 500 and "--preload" in ready.json()["error"]["message"]
+    finally:
+        stop(proc)
 
 
 @pytest.mark.ray

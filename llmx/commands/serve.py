@@ -30,8 +30,10 @@ def register(cli: click.Group) -> None:
     @click.option("--model-name", default=None, help="Name clients pass as 'model' (default: the artifact directory's name).")
     @click.option("--max-body-kb", type=click.IntRange(min=1), default=1024, show_default=True, help="Largest request body accepted.")
     @click.option("--quiet", is_flag=True, help="No per-request access log lines.")
+    @click.option("--spin/--no-spin", default=False, show_default=True,
+                  help="Let ONNX Runtime threads busy-wait between operators (only on cores the HTTP threads do not need).")
     @backend_options
-    def serve(artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet,
+    def serve(artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
               backend, threads):
         """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
 
@@ -42,7 +44,6 @@ def register(cli: click.Group) -> None:
         import logging
 
         from llmx.errors import require
-        from llmx.runtime.engine import Engine
 
         require("flask", "llmx serve", "serve")
         from werkzeug.serving import make_server
@@ -50,15 +51,16 @@ def register(cli: click.Group) -> None:
         from llmx.serve import create_app
 
         listener = _listen(host, port)  # a busy port fails before the model loads
-        engine = Engine.load(artifact, backend=backend, threads=threads)
-        app = create_app(engine=engine, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
-                         prefill_chunk=prefill_chunk, api_key=api_key, max_body_bytes=max_body_kb * 1024)
+        app = create_app(artifact, model_name=model_name, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                         api_key=api_key, max_body_bytes=max_body_kb * 1024, backend=backend, threads=threads, spin=spin)
+        service = app.extensions["llmx"]
+        service.scheduler.settled.wait()
+        if service.scheduler.load_exception is not None:
+            raise service.scheduler.load_exception  # the CLI prints it as one error line
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         logging.getLogger("werkzeug").setLevel(logging.WARNING if quiet else logging.INFO)
         server = make_server(host, port, app, threaded=True, fd=listener.fileno())  # werkzeug dups the fd
         listener.close()
-        service = app.extensions["llmx"]
-        service.scheduler.ready.wait()
         auth = "API key required" if service.api_key else "no API key"
         click.echo(f"serving {service.model_name} on http://{host}:{server.socket.getsockname()[1]}/v1 "
                    f"(max batch {max_batch}, queue {max_queue}, {auth}); Ctrl-C stops", err=True)
