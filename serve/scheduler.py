@@ -41,6 +41,7 @@ class Update:
     logprobs: list[TokenLogprob]  # of the new token(s), when logprobs were asked for
     tokens: int  # tokens this choice has generated so far
     finish_reason: str | None
+    turn: int = 0  # the scheduler turn that made it (orders updates across requests)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Ticket:
         self.done = threading.Event()  # set when every choice has finished (or failed)
         self.arrival = time.perf_counter()
         self.open = len(seqs)  # choices still running; scheduler thread only
+        self.queued_turn: int | None = None  # the turn the scheduler took it in
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Scheduler:
         self._prefill: ChunkedPrefill | None = None
         self._owners: dict[int, _Owner] = {}
         self.batch: Batch | None = None
+        self.turn = 0
         self._thread = threading.Thread(target=self._run, name="llmx-scheduler", daemon=True)
 
     # -- called from HTTP threads ----------------------------------------------------------
@@ -140,6 +143,7 @@ class Scheduler:
             self.settled.set()
         self.ready.set()
         while self._drain(block=not self._busy()):
+            self.turn += 1
             try:
                 self._publish(self._admit())
                 self._publish(self.batch.step())
@@ -166,6 +170,7 @@ class Scheduler:
             if kind == "stop":
                 return False
             if kind == "submit":
+                ticket.queued_turn = self.turn + 1
                 for i, seq in enumerate(ticket.seqs):
                     self._owners[seq.id] = _Owner(ticket, i)
                     self._waiting.append(seq)
@@ -226,7 +231,7 @@ class Scheduler:
             new = seq.logprobs[own.tokens :] if seq.params.logprobs is not None else []
             own.tokens, own.last = len(seq.output_ids), now
             self.metrics.generation_tokens.inc()
-            own.ticket.updates.put(Update(own.index, text, new, own.tokens, seq.finish_reason))
+            own.ticket.updates.put(Update(own.index, text, new, own.tokens, seq.finish_reason, self.turn))
             if seq.finished:
                 self._finish(seq)
         if self.batch.active:

@@ -88,6 +88,21 @@ def test_scheduler_batches_continuously_and_results_equal_generate(engine, llama
         scheduler.stop()
 
 
+def test_running_streams_keep_decoding_while_a_long_prompt_is_prefilled(engine):
+    scheduler = Scheduler(lambda: engine, max_batch=2, prefill_chunk=4).start()
+    try:
+        running = scheduler.submit([sequence(engine, "def", max_new_tokens=150, temperature=0, ignore_eos=True)])
+        running.updates.get(timeout=30)
+        long = scheduler.submit([sequence(engine, LONG, max_new_tokens=2, temperature=0)])
+        first = drain(long)[0]
+        chunks = -(-len(engine.encode(LONG)) // 4)
+        assert first.turn - long.queued_turn >= chunks  # one chunk per turn, never the whole prompt at once
+        during = [u for u in drain(running) if long.queued_turn <= u.turn < first.turn]
+        assert len(during) >= chunks - 1  # and every one of those turns decoded the running stream
+    finally:
+        scheduler.stop()
+
+
 def test_cancel_frees_the_row_at_once(engine):
     scheduler = Scheduler(lambda: engine, max_batch=1, max_queue=4).start()
     try:
