@@ -247,9 +247,10 @@ class Scheduler:
             own.ticket.done.set()
 
     def _fail_running(self, message: str) -> None:
-        """After an engine error the cache is suspect: fail the requests in it, start afresh."""
-        hit = list(self.batch.active) + ([self._prefill.seq] if self._prefill else [])
-        tickets = {id(t): t for t in (self._owners[s.id].ticket for s in hit if s.id in self._owners)}
+        """After an engine error the cache is suspect: fail every request past the waiting line
+        (running, prefilling, or taken for a prefill that raised), start afresh."""
+        waiting = {s.id for s in self._waiting}
+        tickets = {id(o.ticket): o.ticket for sid, o in self._owners.items() if sid not in waiting}
         self._prefill = None
         self._new_batch()
         for ticket in tickets.values():

@@ -134,19 +134,25 @@ def test_queue_bound_counts_running_and_waiting(engine):
         scheduler.stop()
 
 
-def test_engine_error_fails_only_the_running_requests(engine):
-    class Flaky:
+def test_engine_errors_fail_the_requests_they_hit_and_the_server_goes_on(engine):
+    class Flaky:  # a real backend whose next call of one method raises
         def __init__(self, backend):
-            self.backend, self.fail = backend, False
+            self.backend, self.fail = backend, None
 
         def __getattr__(self, name):
             return getattr(self.backend, name)
 
-        def decode(self, cache, ids):
-            if self.fail:
-                self.fail = False
-                raise RuntimeError("device lost")
-            return self.backend.decode(cache, ids)
+        def call(self, name, *args):
+            if self.fail == name:
+                self.fail = None
+                raise RuntimeError(f"device lost in {name}")
+            return getattr(self.backend, name)(*args)
+
+        def decode(self, *args):
+            return self.call("decode", *args)
+
+        def prefill(self, *args):
+            return self.call("prefill", *args)
 
     flaky = Engine(engine.artifact, engine.manifest, Flaky(engine.backend), engine.tokenizer)
     scheduler = Scheduler(lambda: flaky, max_batch=2).start()
@@ -154,11 +160,12 @@ def test_engine_error_fails_only_the_running_requests(engine):
         scheduler.ready.wait(30)
         broken = scheduler.submit([sequence(engine, "def", max_new_tokens=100, temperature=0, ignore_eos=True)])
         broken.updates.get(timeout=30)
-        flaky.backend.fail = True
-        updates = drain(broken)
-        assert "device lost" in updates[-1].message
+        flaky.backend.fail = "decode"
+        assert "device lost in decode" in drain(broken)[-1].message
+        flaky.backend.fail = "prefill"
+        assert "device lost in prefill" in drain(scheduler.submit([sequence(engine, "x", max_new_tokens=3)]))[-1].message
         ok = drain(scheduler.submit([sequence(engine, "x", max_new_tokens=3, temperature=0, ignore_eos=True)]))
-        assert ok[-1].tokens == 3 and scheduler.alive
+        assert ok[-1].tokens == 3 and scheduler.alive and scheduler.counts() == (0, 0)
     finally:
         scheduler.stop()
 

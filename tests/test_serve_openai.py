@@ -282,3 +282,12 @@ def test_overload_answers_429_with_retry_after_which_the_client_honours(llama_ar
         assert out.choices[0].finish_reason in ("stop", "length")
         assert live.metric("llmx_requests_total", 'endpoint="/v1/completions",status="429"') >= 2
         long.close()
+
+
+def test_null_means_default_as_in_openai(server):
+    nulls = dict.fromkeys(["temperature", "top_p", "stop", "seed", "n", "stream", "logprobs", "stream_options",
+                           "presence_penalty", "frequency_penalty", "logit_bias", "echo", "top_k", "min_p"])
+    body = {"model": "llama", "prompt": "def", "max_tokens": 3, "user": "someone", **nulls}
+    out = requests.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert out.status_code == 200, out.text
+    assert out.json()["usage"]["completion_tokens"] <= 3 and len(out.json()["choices"]) == 1
