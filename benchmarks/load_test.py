@@ -108,9 +108,10 @@ def build_artifact(model: str, workdir: Path) -> Path:
 # -- the server --------------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, artifact: Path, max_batch: int, max_queue: int, threads: int):
+    def __init__(self, artifact: Path, max_batch: int, max_queue: int, threads: int, spin: bool = False):
         cmd = [sys.executable, "-m", "llmx.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", "--quiet",
-               "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--threads", str(threads)]
+               "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--threads", str(threads),
+               "--spin" if spin else "--no-spin"]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         line = self.proc.stderr.readline()
         match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
@@ -244,6 +245,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--time-limit", type=float, default=1200, help="seconds for the whole load phase")
+    ap.add_argument("--spin", action="store_true", help="start the server with --spin (to compare)")
     ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
@@ -251,8 +253,9 @@ def main() -> None:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     art = build_artifact(args.model, args.workdir)
-    server = Server(art, args.max_batch, args.max_queue, args.threads)
-    report: dict = {"model": args.model, "artifact": str(art), "max_batch": args.max_batch, "max_queue": args.max_queue}
+    server = Server(art, args.max_batch, args.max_queue, args.threads, args.spin)
+    report: dict = {"model": args.model, "artifact": str(art), "max_batch": args.max_batch, "max_queue": args.max_queue,
+                    "spin": args.spin}
     try:
         if not args.skip_load:
             load_phase(server.url, args.concurrency, args.concurrency, time.monotonic() + 300, seed=1)  # warm-up
