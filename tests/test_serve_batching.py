@@ -5,6 +5,7 @@ plain generation loop's for the same settings: batching never changes what a req
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -25,6 +26,16 @@ LONG = "def parse(text, *, strict=True):\n    for i, line in enumerate(text.spli
 def engine(llama_artifact):
     """The scheduler's own engine: a backend's IO binding belongs to one thread at a time."""
     return Engine.load(llama_artifact, threads=1)
+
+
+@contextmanager
+def running(scheduler: Scheduler):
+    """A started scheduler, stopped afterwards whatever happens."""
+    scheduler.start()
+    try:
+        yield scheduler
+    finally:
+        scheduler.stop()
 
 
 def sequence(engine, text: str, **params) -> Sequence:
@@ -64,8 +75,7 @@ def drain(ticket, timeout=30.0):
 
 
 def test_scheduler_batches_continuously_and_results_equal_generate(engine, llama_engine):
-    scheduler = Scheduler(lambda: engine, max_batch=3, max_queue=8, prefill_chunk=16).start()
-    try:
+    with running(Scheduler(lambda: engine, max_batch=3, max_queue=8, prefill_chunk=16)) as scheduler:
         assert scheduler.ready.wait(30)
         jobs = [("import os", dict(max_new_tokens=40, temperature=0, ignore_eos=True)),
                 ("x = [", dict(max_new_tokens=10, temperature=0.9, seed=1)),
@@ -84,28 +94,22 @@ def test_scheduler_batches_continuously_and_results_equal_generate(engine, llama
         value = scheduler.metrics.registry.get_sample_value
         one, steps = value("llmx_decode_batch_size_bucket", {"le": "1.0"}), value("llmx_decode_batch_size_count")
         assert one < steps, "no decode step ever held more than one sequence"
-    finally:
-        scheduler.stop()
 
 
 def test_running_streams_keep_decoding_while_a_long_prompt_is_prefilled(engine):
-    scheduler = Scheduler(lambda: engine, max_batch=2, prefill_chunk=4).start()
-    try:
-        running = scheduler.submit([sequence(engine, "def", max_new_tokens=150, temperature=0, ignore_eos=True)])
-        running.updates.get(timeout=30)
+    with running(Scheduler(lambda: engine, max_batch=2, prefill_chunk=4)) as scheduler:
+        decoding = scheduler.submit([sequence(engine, "def", max_new_tokens=150, temperature=0, ignore_eos=True)])
+        decoding.updates.get(timeout=30)
         long = scheduler.submit([sequence(engine, LONG, max_new_tokens=2, temperature=0)])
         first = drain(long)[0]
         chunks = -(-len(engine.encode(LONG)) // 4)
         assert first.turn - long.queued_turn >= chunks  # one chunk per turn, never the whole prompt at once
-        during = [u for u in drain(running) if long.queued_turn <= u.turn < first.turn]
+        during = [u for u in drain(decoding) if long.queued_turn <= u.turn < first.turn]
         assert len(during) >= chunks - 1  # and every one of those turns decoded the running stream
-    finally:
-        scheduler.stop()
 
 
 def test_cancel_frees_the_row_at_once(engine):
-    scheduler = Scheduler(lambda: engine, max_batch=1, max_queue=4).start()
-    try:
+    with running(Scheduler(lambda: engine, max_batch=1, max_queue=4)) as scheduler:
         long = scheduler.submit([sequence(engine, "def", max_new_tokens=200, temperature=0, ignore_eos=True)])
         waiting = scheduler.submit([sequence(engine, "x", max_new_tokens=4, temperature=0)])
         long.updates.get(timeout=30)
@@ -116,13 +120,10 @@ def test_cancel_frees_the_row_at_once(engine):
         assert seq.finish_reason == "cancelled" and len(seq.output_ids) < 200
         assert scheduler.counts() == (0, 0)
         assert scheduler.metrics.registry.get_sample_value("llmx_cancelled_sequences_total") == 1
-    finally:
-        scheduler.stop()
 
 
 def test_queue_bound_counts_running_and_waiting(engine):
-    scheduler = Scheduler(lambda: engine, max_batch=1, max_queue=1).start()
-    try:
+    with running(Scheduler(lambda: engine, max_batch=1, max_queue=1)) as scheduler:
         scheduler.ready.wait(30)
         held = [scheduler.submit([sequence(engine, "def", max_new_tokens=50, temperature=0, ignore_eos=True)]) for _ in range(2)]
         with pytest.raises(QueueFull):
@@ -130,8 +131,6 @@ def test_queue_bound_counts_running_and_waiting(engine):
         for t in held:
             drain(t)
         drain(scheduler.submit([sequence(engine, "x", max_new_tokens=2)]))  # room again
-    finally:
-        scheduler.stop()
 
 
 def test_engine_errors_fail_the_requests_they_hit_and_the_server_goes_on(engine):
@@ -155,8 +154,7 @@ def test_engine_errors_fail_the_requests_they_hit_and_the_server_goes_on(engine)
             return self.call("prefill", *args)
 
     flaky = Engine(engine.artifact, engine.manifest, Flaky(engine.backend), engine.tokenizer)
-    scheduler = Scheduler(lambda: flaky, max_batch=2).start()
-    try:
+    with running(Scheduler(lambda: flaky, max_batch=2)) as scheduler:
         scheduler.ready.wait(30)
         broken = scheduler.submit([sequence(engine, "def", max_new_tokens=100, temperature=0, ignore_eos=True)])
         broken.updates.get(timeout=30)
@@ -166,31 +164,24 @@ def test_engine_errors_fail_the_requests_they_hit_and_the_server_goes_on(engine)
         assert "device lost in prefill" in drain(scheduler.submit([sequence(engine, "x", max_new_tokens=3)]))[-1].message
         ok = drain(scheduler.submit([sequence(engine, "x", max_new_tokens=3, temperature=0, ignore_eos=True)]))
         assert ok[-1].tokens == 3 and scheduler.alive and scheduler.counts() == (0, 0)
-    finally:
-        scheduler.stop()
 
 
 def test_time_between_tokens_is_recorded(engine):
-    scheduler = Scheduler(lambda: engine).start()
-    try:
+    with running(Scheduler(lambda: engine)) as scheduler:
         drain(scheduler.submit([sequence(engine, "def", max_new_tokens=6, temperature=0, ignore_eos=True)]))
         value = scheduler.metrics.registry.get_sample_value
         assert value("llmx_time_to_first_token_seconds_count") == 1
         assert value("llmx_inter_token_latency_seconds_count") == 5 and value("llmx_inter_token_latency_seconds_sum") > 0
         assert value("llmx_generation_tokens_total") == 6 and value("llmx_prompt_tokens_total") == len(engine.encode("def"))
-    finally:
-        scheduler.stop()
 
 
 def test_not_ready_until_the_engine_loads(engine):
     gate = threading.Event()
-    service = Service(Scheduler(lambda: gate.wait(30) and engine).start(), "llama")
-    try:
+    with running(Scheduler(lambda: gate.wait(30) and engine)) as scheduler:
+        service = Service(scheduler, "llama")
         with pytest.raises(ApiError) as info:
             service.ready()
         assert info.value.status == 503 and info.value.headers() == {"Retry-After": "1"}
         assert service.health() == {"status": "ok"}
         gate.set()
-        assert service.scheduler.ready.wait(30) and service.ready()["status"] == "ready"
-    finally:
-        service.scheduler.stop()
+        assert scheduler.ready.wait(30) and service.ready()["status"] == "ready"
