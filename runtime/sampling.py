@@ -74,13 +74,14 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, context_ids: np.
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max())
-    return z / z.sum()
+    """Over the last axis (one row [V] or rows [n, V])."""
+    z = np.exp(logits - logits.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max()
-    return shifted - np.log(np.exp(shifted).sum())
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
