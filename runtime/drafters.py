@@ -134,19 +134,27 @@ class DraftModelDrafter:
 
 
 
-def make_drafter(method: str, target, num_tokens: int = 4, draft: str | None = None, **load_options):
-    """The drafter ``llmx generate --speculative`` and ``llmx serve --speculative`` ask for."""
+def check_speculative(method: str, draft: str | None, num_tokens: int) -> None:
     from llmx.runtime.speculative import check_num_draft_tokens
 
     check_num_draft_tokens(num_tokens)
-    if method == "ngram":
-        if draft is not None:
-            raise InputError("--draft is for --speculative draft; prompt lookup (ngram) needs no draft model")
-        return NgramDrafter(num_tokens)
-    if method != "draft":
+    if method not in ("ngram", "draft"):
         raise InputError(f"speculative method must be ngram or draft, got {method!r}")
-    if draft is None:
-        raise InputError("--speculative draft needs --draft ARTIFACT (a smaller model with the same tokenizer)")
+    if method == "ngram" and draft is not None:
+        raise InputError("--draft is for --speculative draft; prompt lookup (ngram) needs no draft model")
+    if method == "draft":
+        if draft is None:
+            raise InputError("--speculative draft needs --draft ARTIFACT (a smaller model with the same tokenizer)")
+        from llmx.manifest import load_manifest
+
+        load_manifest(draft)  # a wrong path fails now, with the artifact error
+
+
+def make_drafter(method: str, target, num_tokens: int = 4, draft: str | None = None, **load_options):
+    """The drafter ``llmx generate --speculative`` and ``llmx serve --speculative`` ask for."""
+    check_speculative(method, draft, num_tokens)
+    if method == "ngram":
+        return NgramDrafter(num_tokens)
     from llmx.runtime.engine import Engine
 
     engine = Engine.load(draft, **load_options)

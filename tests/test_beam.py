@@ -180,3 +180,37 @@ def test_device_cache_copy_span_moves_only_the_span():
     np.testing.assert_array_equal(got[0][:, 2:], a[:, 2:])
     np.testing.assert_array_equal(got[1][:, 2:], a[:, 2:] + 1)
     assert cache.lengths[1] == 6
+
+
+def test_server_beam_search_equals_transformers(llama_artifact, models):
+    """vLLM's fields: use_beam_search with best_of beams, the best n returned as choices."""
+    from live_server import LiveServer
+
+    engine, hf = models("llama")
+    ref = transformers_beams(hf, engine.encode(PROMPT), BeamParams(num_beams=4, length_penalty=0.7, max_new_tokens=10),
+                             engine.tokenizer.eos_token_ids)
+    with LiveServer(artifact=llama_artifact, threads=1, max_batch=4) as live:
+        client = live.client(max_retries=0, timeout=60)
+        out = client.completions.create(model="llama", prompt=PROMPT, max_tokens=10, n=2, best_of=4,
+                                        extra_body={"use_beam_search": True, "length_penalty": 0.7})
+        assert [c.text for c in out.choices] == [engine.tokenizer.decode(t) for t, _ in ref[:2]]
+        assert out.usage.completion_tokens == sum(len(t) for t, _ in ref[:2])
+        stream = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                                n=3, stream=True, extra_body={"use_beam_search": True})
+        texts, finished = ["", "", ""], set()
+        for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                if c.finish_reason:
+                    finished.add(c.index)
+        assert finished == {0, 1, 2} and len(set(texts)) == 3  # three distinct beams
+        for body, message in [({"best_of": 2, "n": 1}, "best_of"),  # without use_beam_search
+                              ({"use_beam_search": True, "top_k": 5}, "top_k"),
+                              ({"use_beam_search": True, "logprobs": 2}, "logprobs"),
+                              ({"use_beam_search": True, "n": 5}, "max-batch"),
+                              ({"use_beam_search": True, "n": 3, "best_of": 2}, "at least n"),
+                              ({"length_penalty": 2.0}, "use_beam_search"),
+                              ({"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping")]:
+            with pytest.raises(Exception) as info:
+                client.completions.create(model="llama", prompt="x", max_tokens=4, extra_body=body)
+            assert info.value.status_code == 400 and message in str(info.value)

@@ -196,17 +196,23 @@ def test_sampled_sequences_keep_the_plain_distribution(target, noisy_draft, kind
     assert 0 < stats.accepted < stats.drafted  # drafts were both accepted and rejected
 
 
-def test_draft_with_another_tokenizer_is_refused(target, llama_artifact, tmp_path):
-    other = tmp_path / "other"
+@pytest.fixture(scope="module")
+def other_tokenizer(llama_artifact, tmp_path_factory):
+    """The target artifact with two token ids swapped: same size, a different tokenizer."""
+    other = tmp_path_factory.mktemp("other") / "art"
     shutil.copytree(llama_artifact, other)
     path = other / "tokenizer" / "tokenizer.json"
     spec = json.loads(path.read_text())
     vocab = spec["model"]["vocab"]
     a, b = list(itertools.islice((k for k in vocab if len(k) > 1 and vocab[k] > 10), 2))
-    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped: still a different tokenizer
+    vocab[a], vocab[b] = vocab[b], vocab[a]
     path.write_text(json.dumps(spec))
+    return other
+
+
+def test_draft_with_another_tokenizer_is_refused(target, other_tokenizer):
     with pytest.raises(InputError, match="tokenizer differs"):
-        make_drafter("draft", target, 4, str(other), threads=1)
+        make_drafter("draft", target, 4, str(other_tokenizer), threads=1)
 
 
 def test_draft_vocabularies_of_other_sizes_are_aligned(target, small_draft):
@@ -264,3 +270,40 @@ def test_judge_greedy_accepts_only_the_argmax(target):
     assert judge(seq, logits, 1, None) == (1, True)
     assert judge(seq, logits, 2, None) == (1, False)
     assert Draft([1]).probs is None
+
+
+@pytest.mark.parametrize("kind", ["ngram", "small-draft"])
+def test_server_with_speculation_answers_as_plain_greedy(llama_artifact, target, small_draft, kind):
+    from live_server import LiveServer
+
+    options = dict(speculative="ngram") if kind == "ngram" else dict(speculative="draft", draft=str(small_draft))
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    refs = [run(target, [p], params)[0] for p in PROMPTS.values()]
+    with LiveServer(artifact=llama_artifact, threads=1, max_batch=3, num_draft_tokens=3, **options) as live:
+        client = live.client(max_retries=0, timeout=60)
+        out = client.completions.create(model="llama", prompt=list(PROMPTS.values()), max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [r.text for r in refs]
+        assert out.usage.completion_tokens == sum(len(r.output_ids) for r in refs)
+        drafted, accepted = live.metric("llmx_speculative_draft_tokens_total"), live.metric("llmx_speculative_accepted_tokens_total")
+        assert drafted > 0 and 0 <= accepted <= drafted
+        assert live.metric("llmx_generation_tokens_total") == sum(len(r.output_ids) for r in refs)
+
+
+@pytest.mark.parametrize("draft, error", [("gpt2", None), ("other", "tokenizer differs"), (None, "needs --draft")])
+def test_server_checks_the_draft_at_start(llama_artifact, store, other_tokenizer, draft, error):
+    """Another family with the same tokenizer drafts fine; another tokenizer fails the load
+    (/ready says why); no draft at all is refused before anything starts."""
+    from llmx.serve.service import build_service
+
+    path = {"gpt2": store.artifact("gpt2"), "other": other_tokenizer, None: None}[draft]
+    if path is None:
+        with pytest.raises(InputError, match=error):
+            build_service(llama_artifact, speculative="draft")
+        return
+    service = build_service(llama_artifact, threads=1, speculative="draft", draft=str(path), prefix_cache_mb=0)
+    try:
+        assert service.scheduler.settled.wait(60)
+        assert service.scheduler.load_error is None if error is None else error in service.scheduler.load_error
+    finally:
+        service.scheduler.stop()
