@@ -35,7 +35,11 @@ def register(cli: click.Group) -> None:
     @backend_options
     def serve(artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
               backend, threads):
-        """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
+        """Serve ARTIFACT over an OpenAI-compatible HTTP API.
+
+        
+        Decoder artifacts: /v1/completions, /v1/chat/completions (streaming or not).
+        Encoder artifacts: /v1/embeddings. Both: /v1/models, /health, /ready, /metrics.
 
         \b
         One engine per process; requests are batched continuously. For production run the
@@ -54,9 +58,7 @@ def register(cli: click.Group) -> None:
         app = create_app(artifact, model_name=model_name, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
                          api_key=api_key, max_body_bytes=max_body_kb * 1024, backend=backend, threads=threads, spin=spin)
         service = app.extensions["llmx"]
-        service.scheduler.settled.wait()
-        if service.scheduler.load_exception is not None:
-            raise service.scheduler.load_exception  # the CLI prints it as one error line
+        service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         logging.getLogger("werkzeug").setLevel(logging.WARNING if quiet else logging.INFO)
         server = make_server(host, port, app, threaded=True, fd=listener.fileno())  # werkzeug dups the fd
