@@ -54,7 +54,11 @@ class Embedder:
         return ids
 
     def embed(self, texts: list[str]) -> Embeddings:
-        ids = self.tokenize(texts)
+        return self.embed_ids(self.tokenize(texts))
+
+    def embed_ids(self, ids: list[list[int]]) -> Embeddings:
+        """Embed token id lists (already tokenized, special tokens included); longer ones are truncated."""
+        ids = [t[: self.max_tokens] for t in ids]
         out = np.zeros((len(ids), self.dim), np.float32)
         order = np.argsort([len(t) for t in ids], kind="stable")
         for start in range(0, len(order), self.batch_size):

