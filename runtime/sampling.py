@@ -122,18 +122,18 @@ def min_p_mask(logits: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def typical_mask(logits: np.ndarray, mass: float) -> np.ndarray:
-    """Locally typical sampling (Meister et al. 2022), as transformers' TypicalLogitsWarper."""
+    """Locally typical sampling (Meister et al. 2022), as transformers' TypicalLogitsWarper: keep
+    the tokens whose surprisal is nearest the entropy until they hold ``mass`` (ties kept)."""
     if mass >= 1.0:
         return logits
     logp = log_softmax(logits)
     p = np.exp(logp)
     entropy = -np.nansum(p * logp)
-    order = np.argsort(np.abs(-logp - entropy), kind="stable")
+    distance = np.abs(-logp - entropy)
+    order = np.argsort(distance, kind="stable")
     cumulative = np.cumsum(p[order])
     last = min(int(np.searchsorted(cumulative, mass)), logits.size - 1)
-    out = np.full_like(logits, -np.inf)
-    out[order[: last + 1]] = logits[order[: last + 1]]
-    return out
+    return np.where(distance <= distance[order[last]], logits, -np.inf)
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
