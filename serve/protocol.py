@@ -192,11 +192,11 @@ def prompt_ids(value: Any, tokenizer, vocab_size: int) -> list[list[int]]:
 
     if isinstance(value, str):
         return [tokenizer.encode(value)]
+    if isinstance(value, list) and value and all(is_token(t) for t in value):
+        return [list(value)]  # one prompt of token ids: as long as the context allows
     if isinstance(value, list) and 0 < len(value) <= MAX_CHOICES:
         if all(isinstance(p, str) for p in value):
             return [tokenizer.encode(p) for p in value]
-        if all(is_token(t) for t in value):
-            return [list(value)]
         if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in value):
             return [list(p) for p in value]
     rule = f"a string, a list of strings, or token ids in [0, {vocab_size}) (a list, or a list of lists), at most {MAX_CHOICES} prompts"

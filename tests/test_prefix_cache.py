@@ -140,6 +140,10 @@ def test_usage_reports_cached_tokens_over_http(llama_artifact):
         warm = client.completions.create(model="llama", prompt=system + "class Stack:", max_tokens=4, temperature=0)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert warm.usage.prompt_tokens_details.cached_tokens >= 16
+        ids = live.service.scheduler.engine.encode(system + "import os")  # a token-id prompt over 64 tokens
+        assert len(ids) > 64
+        as_ids = client.completions.create(model="llama", prompt=ids, max_tokens=4, temperature=0)
+        assert as_ids.usage.prompt_tokens == len(ids) and as_ids.usage.prompt_tokens_details.cached_tokens >= 16
         chunks = list(client.chat.completions.create(
             model="llama", messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
             max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}))
