@@ -128,7 +128,8 @@ def typical_mask(logits: np.ndarray, mass: float) -> np.ndarray:
         return logits
     logp = log_softmax(logits)
     p = np.exp(logp)
-    entropy = -np.nansum(p * logp)
+    with np.errstate(invalid="ignore"):  # filtered tokens: 0 * -inf, skipped by nansum
+        entropy = -np.nansum(p * logp)
     distance = np.abs(-logp - entropy)
     order = np.argsort(distance, kind="stable")
     cumulative = np.cumsum(p[order])
