@@ -152,8 +152,15 @@ def test_cli_generate_with_beams(llama_artifact, models, capsys):
     (["--num-beams", "2", "--stop", "x"], "stop strings"),
     (["--num-beams", "2", "--speculative", "ngram"], "speculative"),
     (["--num-beams", "0"], "num_beams"),
+    (["--length-penalty", "2"], "--num-beams"),
+    (["--speculative", "draft"], "needs --draft"),
+    (["--speculative", "ngram", "--draft", "x"], "--draft is for --speculative draft"),
+    (["--draft", "x"], "add --speculative"),
+    (["--speculative", "ngram", "--num-draft-tokens", "0"], "draft tokens"),
+    (["--speculative", "draft", "--draft", "/nonexistent"], "does not exist"),
 ])
-def test_cli_refuses_beam_options_it_cannot_honour(llama_artifact, capsys, args, message):
+def test_cli_refuses_decoding_options_it_cannot_honour(llama_artifact, capsys, args, message):
+    """Beam search and speculative decoding options: one error line, non-zero exit."""
     from llmx.cli import main
 
     with pytest.raises(SystemExit) as exc:

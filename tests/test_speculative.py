@@ -247,23 +247,6 @@ def test_cli_reports_acceptance_and_matches_plain_greedy(llama_artifact, capsys)
     assert spec["tokens_per_step"] > 1
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--speculative", "draft"], "needs --draft"),
-    (["--speculative", "ngram", "--draft", "x"], "--draft is for --speculative draft"),
-    (["--draft", "x"], "add --speculative"),
-    (["--speculative", "ngram", "--num-draft-tokens", "0"], "draft tokens"),
-    (["--speculative", "draft", "--draft", "/nonexistent"], "does not exist"),
-])
-def test_cli_refuses_bad_speculative_options(llama_artifact, capsys, args, message):
-    from llmx.cli import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["generate", str(llama_artifact), "x", "--threads", "1", *args])
-    assert exc.value.code != 0
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
-
-
 def test_judge_greedy_accepts_only_the_argmax(target):
     seq = Sequence([1, 2], SamplingParams(temperature=0), target.tokenizer, 256)
     logits = np.array([0.0, 3.0, 1.0], np.float32)
