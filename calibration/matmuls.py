@@ -94,3 +94,20 @@ def drop_unused_initializers(model) -> None:
     used = {name for node in model.graph.node for name in node.input}
     for init in [i for i in model.graph.initializer if i.name not in used]:
         model.graph.initializer.remove(init)
+
+
+def declare_activation_types(model) -> None:
+    """Give weight-MatMul inputs their weight's type where the graph lacks one.
+
+    ONNX's shape inference stops at contrib ops (GroupQueryAttention, QuickGelu, ...), and ORT's
+    calibrators and quantizer skip tensors whose type they cannot see.
+    """
+    import onnx
+
+    known = {v.name for v in (*model.graph.value_info, *model.graph.input, *model.graph.output)}
+    inits = initializers(model)
+    for mm in weight_matmuls(model):
+        if mm.activation not in known:
+            known.add(mm.activation)
+            elem_type = inits[mm.weight].data_type  # MatMul's inputs share one type
+            model.graph.value_info.append(onnx.helper.make_tensor_value_info(mm.activation, elem_type, None))

@@ -39,7 +39,7 @@ def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], opt
                     work: Path, progress: Progress) -> tuple[dict, Path | None, dict]:
     """(quantized models, the directory their external data lives in, what was done)."""
     from llmx.calibration.feeds import Feeds
-    from llmx.calibration.matmuls import name_nodes
+    from llmx.calibration.matmuls import declare_activation_types, name_nodes
     from llmx.onnx_files import load_graph, save_graphs
 
     fp32 = work / "fp32"
@@ -47,6 +47,7 @@ def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], opt
     models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
     for model in models.values():
         name_nodes(model)
+        declare_activation_types(model)
     save_graphs(models, fp32, sources={name: src for name in models})
     paths = {name: fp32 / f"{name}.onnx" for name in models}
     if options.scheme != "w8a8":

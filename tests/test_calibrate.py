@@ -148,6 +148,49 @@ def test_cli_calibrate_prints_the_report_and_json(store, calib_text, tmp_path, c
     assert code == 0, err
 
 
+@pytest.fixture(scope="module")
+def contrib_ops_artifact(store, tmp_path_factory) -> Path:
+    """The tiny Llama with com.microsoft ops (ONNX Runtime's own fusions) and no value_info: what
+    shape inference cannot see through, as in graphs from the optimize stage."""
+    from llmx.artifact import finish
+    from llmx.onnx_files import describe_graph, load_graph, save_graphs
+
+    src, work = store.artifact("llama"), tmp_path_factory.mktemp("ortopt")
+    out = work / "art"
+    out.mkdir()
+    for graph in ("prefill", "decode"):
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        opts.optimized_model_filepath = str(work / f"{graph}.onnx")
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{graph}.bin")
+        ort.InferenceSession(str(src / f"{graph}.onnx"), opts, providers=["CPUExecutionProvider"])
+    models = {g: load_graph(work / f"{g}.onnx") for g in ("prefill", "decode")}
+    for model in models.values():
+        del model.graph.value_info[:]
+    assert any(n.domain == "com.microsoft" for n in models["decode"].graph.node)
+    save_graphs(models, out, sources={g: work for g in models})
+    shutil.copytree(src / "tokenizer", out / "tokenizer")
+    manifest = load_manifest(src)
+    manifest.graphs = {g: describe_graph(m, f"{g}.onnx", ops="onnxruntime") for g, m in models.items()}
+    finish(out, manifest)
+    return out
+
+
+@pytest.mark.parametrize("settings", [dict(scheme="w8a8", method="minmax", smoothquant=0.5), dict(scheme="w4")])
+def test_graphs_with_contrib_ops_quantize_every_weight_matmul(settings, contrib_ops_artifact, calib_text, tmp_path):
+    from llmx.calibration.matmuls import weight_matmuls
+
+    options = CalibrationOptions(**settings, **FAST)
+    manifest = calibrate_artifact(contrib_ops_artifact, tmp_path / "q", calib_text, options)
+    expected = len(weight_matmuls(onnx.load_model(str(contrib_ops_artifact / "decode.onnx"), load_external_data=False)))
+    for graph in ("prefill", "decode"):
+        nodes = onnx.load_model(str(tmp_path / "q" / f"{graph}.onnx"), load_external_data=False).graph.node
+        quantized = [n for n in nodes if n.op_type == ("QuantizeLinear" if settings["scheme"] == "w8a8" else "MatMulNBits")]
+        assert len(quantized) == expected == 9
+        assert manifest.graphs[graph].ops == "onnxruntime"
+    assert 0.8 < manifest.extras["quality"]["perplexity_ratio"] < 1.25
+
+
 # -- SmoothQuant -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", ["llama", "gpt2"])  # RMSNorm's Mul and LayerNormalization
