@@ -69,41 +69,51 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
     """Quantize artifact ``src`` into ``out`` calibrated on ``data``; returns the new manifest."""
     from llmx.artifact import finish, staged_artifact
     from llmx.calibration import pipeline
-    from llmx.calibration.data import read_text_data, split_windows, token_windows
     from llmx.calibration.report import measure, write_report
-    from llmx.runtime.tokenizer import Tokenizer
 
     options.validate()
     src = Path(src)
     manifest = load_manifest(src)
     check_unquantized(src, manifest)
-    if options.seq_len > manifest.max_seq_len:
-        raise InputError(f"--seq-len {options.seq_len} exceeds the model's maximum length {manifest.max_seq_len}")
-    tokenizer = Tokenizer(src, manifest)
-    text = read_text_data(data)
-    held_out = None
-    if eval_data is not None:
-        held_out = token_windows(tokenizer, read_text_data(eval_data), options.seq_len)
-    split = split_windows(token_windows(tokenizer, text, options.seq_len), options.seq_len, options.samples,
-                          options.eval_samples, held_out, source=str(data))
+    split, data_record = load_windows(src, manifest, data, eval_data, options)
     log(f"{options.scheme}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
     with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-calibrate-") as work:
         models, weights_dir, record = pipeline.quantize_graphs(src, manifest, split.calibration, options, Path(work),
                                                                progress)
         new = pipeline.write_quantized(src, manifest, tmp, models, weights_dir, options, record)
-        new.precision["data"] = {"source": str(data), "sha256": text.sha256, "windows": len(split.calibration),
-                                 "seq_len": split.seq_len}
+        new.precision["data"] = data_record
         log(f"measuring quality on {len(split.evaluation)} held-out windows")
         with progress("evaluating", len(split.evaluation)) as bar:
-            report = measure(src, tmp, new, split.evaluation, options.threads, bar.update)
+            measured = measure(src, tmp, new, split.evaluation, options.threads, bar.update)
+        source = str(eval_data) if eval_data else f"held-out tail of {data}"
         report = {"scheme": options.scheme, "options": asdict(options),
-                  "evaluation": {"source": str(eval_data) if eval_data else f"held-out tail of {data}",
-                                 "windows": len(split.evaluation), "seq_len": split.seq_len},
-                  **report}
+                  "evaluation": {"source": source, "windows": len(split.evaluation), "seq_len": split.seq_len},
+                  **measured}
         write_report(tmp, report)
         new.extras["quality"] = report
         finish(tmp, new)
     return new
+
+
+def load_windows(src: Path, manifest: Manifest, data, eval_data, options: CalibrationOptions):
+    """(calibration/evaluation split, the manifest's record of the data) for ``--data``/``--eval-data``."""
+    from llmx.calibration.data import read_text_data, split_windows, token_windows
+    from llmx.runtime.tokenizer import Tokenizer
+
+    if options.seq_len > manifest.max_seq_len:
+        raise InputError(f"--seq-len {options.seq_len} exceeds the model's maximum length {manifest.max_seq_len}")
+    tokenizer = Tokenizer(src, manifest)
+    text = read_text_data(data)
+    record = {"source": str(data), "sha256": text.sha256}
+    held_out = None
+    if eval_data is not None:
+        eval_text = read_text_data(eval_data)
+        held_out = token_windows(tokenizer, eval_text, options.seq_len)
+        record.update(eval_source=str(eval_data), eval_sha256=eval_text.sha256)
+    split = split_windows(token_windows(tokenizer, text, options.seq_len), options.seq_len, options.samples,
+                          options.eval_samples, held_out, source=str(data))
+    record.update(windows=len(split.calibration), seq_len=split.seq_len)
+    return split, record
 
 
 def check_unquantized(src: Path, manifest: Manifest) -> None:
