@@ -1,8 +1,15 @@
 """Perplexity and agreement of next-token distributions, for any artifact and backend.
 
-Each window runs through the *decode* graph as T = len(window) new tokens on an empty cache:
-decode returns logits at every position (prefill keeps only the last), so one call scores a
-whole window, through the same graph that generates every token after the first.
+Each window of S tokens is scored the way generation runs, so both graphs and the KV handoff
+between them count (h = S // 2):
+
+    decode(empty cache, tokens 0..h-1)   -> predictions of tokens 1..h-1   (decode returns every
+                                            position; prefill returns only the last)
+    prefill(tokens 0..h-1)               -> prediction of token h, and the KV cache of 0..h-1
+    decode(that cache, tokens h..S-1)    -> predictions of tokens h+1..S-1
+
+Every token but the first is predicted exactly once; a fault in either graph, or in the cache
+prefill writes for decode, shows up in the score.
 
     perplexity = exp(mean over positions of -log p(next token))
     top-1 agreement = share of positions where two models pick the same argmax
@@ -77,23 +84,32 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def window_logprobs(backend, windows: list[list[int]]) -> Iterable[np.ndarray]:
-    """Next-token log-probabilities [T-1, V] for each window, in order."""
+    """Next-token log-probabilities [S-1, V] for each window, in order."""
     if not windows:
         return
     length = len(windows[0])
     if any(len(w) != length for w in windows):
         raise InputError("evaluation windows must all have the same length")
-    if length < 2:
-        raise InputError("an evaluation window needs at least 2 tokens")
+    if length < 4:
+        raise InputError("an evaluation window needs at least 4 tokens")
     if length > backend.max_seq_len:
         raise InputError(f"windows of {length} tokens exceed the model's maximum length {backend.max_seq_len}")
     rows = max(1, min(8, _LOGITS_BUDGET // (length * backend.vocab_size)))
     for start in range(0, len(windows), rows):
         batch = np.asarray(windows[start : start + rows], dtype=np.int64)
-        cache = backend.new_cache(len(batch), length)
-        logits = backend.decode(cache, batch)  # [n, T, V]; the backend reuses this buffer
-        for row in logits:
-            yield log_softmax(row[:-1].astype(np.float32))
+        for logits in _score(backend, batch):
+            yield log_softmax(logits)
+
+
+def _score(backend, batch: np.ndarray) -> np.ndarray:
+    """Logits [n, S-1, V] predicting tokens 1..S-1 of each row: decode, prefill, decode on its cache."""
+    n, length = batch.shape
+    half = length // 2
+    head = backend.decode(backend.new_cache(n, length), batch[:, :half])[:, : half - 1].astype(np.float32)  # copy
+    cache = backend.new_cache(n, length)
+    handoff = backend.prefill(cache, list(range(n)), batch[:, :half].tolist())[:, None].astype(np.float32)
+    tail = backend.decode(cache, batch[:, half:])[:, :-1]  # the backend reuses this buffer: used right away
+    return np.concatenate([head, handoff, tail], axis=1)
 
 
 def perplexity(backend, windows: list[list[int]], progress: Callable[[int], None] = lambda n: None) -> Score:

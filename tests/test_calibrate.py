@@ -101,7 +101,10 @@ def test_report_matches_an_independent_eval(quantized, store, calib_text, capsys
     assert perplexity(fp32.backend, held_out).perplexity == pytest.approx(report["fp32"]["perplexity"], rel=1e-5)
 
 
-def test_broken_quantization_is_reported_as_a_large_perplexity_increase(store, calib_text, tmp_path, monkeypatch):
+@pytest.mark.parametrize("broken", ["prefill", "decode"])
+def test_broken_quantization_is_reported_as_a_large_perplexity_increase(broken, store, calib_text, tmp_path,
+                                                                         monkeypatch):
+    """Absurd weight scales in either graph (prefill alone only corrupts the KV cache decode reads)."""
     import llmx.calibration.pipeline as pipeline
     from llmx.calibration.matmuls import initializers, read_array, replace_initializer
 
@@ -109,16 +112,16 @@ def test_broken_quantization_is_reported_as_a_large_perplexity_increase(store, c
 
     def absurd_scales(src, manifest, windows, options, work, progress):
         models, weights_dir, record = real(src, manifest, windows, options, work, progress)
-        for model in models.values():
+        for model in [models[broken]]:
             for name, init in initializers(model).items():
                 if name.endswith(".weight_scale"):  # per-channel weight scales of the Q/DQ graph
-                    replace_initializer(model, name, read_array(init, weights_dir) * 40)
+                    replace_initializer(model, name, read_array(init, weights_dir) * 100)
         return models, weights_dir, record
 
     monkeypatch.setattr(pipeline, "quantize_graphs", absurd_scales)
     options = CalibrationOptions(scheme="w8a8", method="minmax", **FAST)
     report = calibrate_artifact(store.artifact("llama"), tmp_path / "broken", calib_text, options).extras["quality"]
-    assert report["perplexity_ratio"] > 3 and report["top1_agreement"] < 0.5 and report["mean_kl"] > 1
+    assert report["perplexity_ratio"] > 3 and report["top1_agreement"] < 0.75 and report["mean_kl"] > 1
 
 
 def test_weights_of_both_graphs_are_stored_once(quantized):
