@@ -24,10 +24,12 @@ from llmx.calibration.matmuls import initializers, read_array, weight_matmuls
 from llmx.calibration.quiet import quiet_logging
 
 METHODS = ("minmax", "entropy", "percentile")
-# Histogram settings: TensorRT's entropy calibration uses 2048 bins searched down to 128.
+# Entropy searches thresholds on a 2048-bin histogram of signed values, comparing each clipped
+# distribution with its quantized version: 255 levels, the count symmetric INT8 has (ORT's
+# default of 128 models 7 bits and clips too hard: perplexity ratio 1.0080 vs 1.0054 on the demo model).
 _CALIBRATOR_OPTIONS = {
     "minmax": dict(symmetric=True),
-    "entropy": dict(symmetric=True, num_bins=2048, num_quantized_bins=128),
+    "entropy": dict(symmetric=True, num_bins=2048, num_quantized_bins=255),
     "percentile": dict(symmetric=True, num_bins=2048, percentile=99.999),
 }
 INT8_MAX = 127  # symmetric INT8: scale = absmax / 127, as in TensorRT

@@ -17,11 +17,11 @@ def register(cli: click.Group) -> None:
     @click.option("--data", required=True, type=click.Path(path_type=str),
                   help="Calibration text: a UTF-8 file, JSONL with a \"text\" field, or a folder of text files.")
     @click.option("--scheme", required=True, help="w8a8 (static INT8 Q/DQ), w8 or w4 (weight-only MatMulNBits).")
-    @click.option("--method", default="entropy", show_default=True, help="w8a8 activation ranges: minmax, entropy or percentile.")
+    @click.option("--method", default="percentile", show_default=True, help="w8a8 activation ranges: minmax, entropy or percentile.")
     @click.option("--smoothquant", "alpha", type=float, default=None, help="w8a8: apply SmoothQuant with this alpha (e.g. 0.5).")
     @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="w8a8 weight scales.")
     @click.option("--block-size", type=int, default=32, show_default=True, help="w8/w4: input channels per scale (power of 2, >= 16).")
-    @click.option("--symmetric/--asymmetric", default=True, show_default=True, help="w8/w4: zero points or not.")
+    @click.option("--symmetric/--asymmetric", default=True, show_default=True, help="w8/w4: symmetric blocks (no zero points) or asymmetric.")
     @click.option("--samples", type=int, default=32, show_default=True, help="Calibration windows (at most).")
     @click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per window.")
     @click.option("--eval-data", type=click.Path(path_type=str), default=None,
