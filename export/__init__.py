@@ -30,32 +30,27 @@ def export_checkpoint(
     force: bool = False,
     log: Callable[[str], None] = lambda msg: None,
 ) -> Manifest:
-    """Export a local HF decoder checkpoint to an artifact directory; returns its manifest."""
+    """Export a local HF checkpoint (decoder or encoder) to an artifact directory; returns its manifest."""
     from llmx.artifact import finish, staged_artifact
-    from llmx.export.checkpoint import load_decoder, open_checkpoint
+    from llmx.export.checkpoint import load_model, open_checkpoint
     from llmx.export.tokenizer import package_tokenizer
-    from llmx.onnx_files import describe_graph, load_graph
 
     checkpoint = open_checkpoint(src)
     spec = checkpoint.spec
+    if spec.kind == "encoder":
+        from llmx.export.encoder import read_sentence_config
+
+        for key, value in read_sentence_config(checkpoint.path).items():
+            setattr(spec, key, value)
     log(f"loading {spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) from {checkpoint.path}")
-    model = load_decoder(checkpoint)
+    model = load_model(checkpoint)
     with staged_artifact(out, overwrite=force) as tmp:
         tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
-        log("exporting prefill and decode graphs")
-        from llmx.export.onnx_export import export_decoder
-
-        export_decoder(model, tmp, all_logits=all_logits)
-        graphs = {name: describe_graph(load_graph(tmp / f"{name}.onnx"), f"{name}.onnx") for name in ("prefill", "decode")}
-        manifest = Manifest(
-            kind="decoder",
-            model=spec.to_dict(),
-            graphs=graphs,
-            tokenizer=tokenizer,
-            precision={"weights": "float32", "activations": "float32", "scheme": None},
-            kv={**KV_LAYOUT, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
-            lineage=[{"stage": "export", "source": str(checkpoint.path), "prefill_logits": "all" if all_logits else "last"}],
-        )
+        log(f"exporting {'the embedding graph' if spec.kind == 'encoder' else 'prefill and decode graphs'}")
+        export = _export_encoder if spec.kind == "encoder" else _export_decoder
+        manifest = export(model, tmp, tokenizer, all_logits)
+        manifest.lineage = [{"stage": "export", "source": str(checkpoint.path),
+                             **({"prefill_logits": "all" if all_logits else "last"} if spec.kind == "decoder" else {})}]
         if verify:
             log("verifying ONNX Runtime against PyTorch")
             from llmx.export.verify import verify_export
@@ -64,3 +59,32 @@ def export_checkpoint(
             log(f"verified: max |diff| {manifest.extras['verify']['max_abs_diff']:.2e}")
         finish(tmp, manifest)
     return manifest
+
+
+def _export_decoder(model, tmp: Path, tokenizer: dict, all_logits: bool) -> Manifest:
+    from llmx.export.onnx_export import export_decoder
+    from llmx.onnx_files import describe_graph, load_graph
+
+    spec = model.spec
+    export_decoder(model, tmp, all_logits=all_logits)
+    graphs = {name: describe_graph(load_graph(tmp / f"{name}.onnx"), f"{name}.onnx") for name in ("prefill", "decode")}
+    return Manifest(
+        kind="decoder",
+        model=spec.to_dict(),
+        graphs=graphs,
+        tokenizer=tokenizer,
+        precision=dict(FP32),
+        kv={**KV_LAYOUT, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+    )
+
+
+def _export_encoder(model, tmp: Path, tokenizer: dict, all_logits: bool) -> Manifest:
+    from llmx.export.encoder import export_encoder
+    from llmx.onnx_files import describe_graph, load_graph
+
+    export_encoder(model, tmp)
+    graphs = {"embed": describe_graph(load_graph(tmp / "embed.onnx"), "embed.onnx")}
+    return Manifest(kind="encoder", model=model.spec.to_dict(), graphs=graphs, tokenizer=tokenizer, precision=dict(FP32))
+
+
+FP32 = {"weights": "float32", "activations": "float32", "scheme": None}

@@ -1,4 +1,4 @@
-"""Reading a local Hugging Face checkpoint directory: config, weights and tokenizer files.
+"""Reading a local Hugging Face checkpoint directory: config and weights.
 
 Weights come from ``*.safetensors`` (single or sharded with an index) or ``pytorch_model.bin``
 (single or sharded). They are renamed into llmx's module names by one rule table per family
@@ -17,15 +17,6 @@ import torch
 
 from llmx.errors import CheckpointError
 from llmx.export.spec import ModelSpec, spec_from_hf_config
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 # (llmx name, HF names relative to a layer or the model, how to combine). "{i}" is the layer.
 _LLAMA = {
@@ -77,7 +68,35 @@ _GPT2 = {
     "layer_prefix": "h.{i}.",
 }
 
-WEIGHT_RULES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2}
+# BERT is post-norm: attn_norm/mlp_norm here are the LayerNorms *after* each residual add.
+_BERT = {
+    "prefixes": ("bert.", "model."),
+    "model": [
+        ("embed.weight", ["embeddings.word_embeddings.weight"], "copy"),
+        ("pos_embed.weight", ["embeddings.position_embeddings.weight"], "copy"),
+        ("type_embed.weight", ["embeddings.token_type_embeddings.weight"], "copy"),
+        ("embed_norm.weight", ["embeddings.LayerNorm.weight"], "copy"),
+        ("embed_norm.bias", ["embeddings.LayerNorm.bias"], "copy"),
+    ],
+    "head": None,
+    "layer": [
+        ("attn.qkv.weight", ["attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight"], "concat_t"),
+        ("attn.qkv.bias", ["attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias"], "concat"),
+        ("attn.o.weight", ["attention.output.dense.weight"], "transpose"),
+        ("attn.o.bias", ["attention.output.dense.bias"], "copy"),
+        ("attn_norm.weight", ["attention.output.LayerNorm.weight"], "copy"),
+        ("attn_norm.bias", ["attention.output.LayerNorm.bias"], "copy"),
+        ("mlp.up.weight", ["intermediate.dense.weight"], "transpose"),
+        ("mlp.up.bias", ["intermediate.dense.bias"], "copy"),
+        ("mlp.down.weight", ["output.dense.weight"], "transpose"),
+        ("mlp.down.bias", ["output.dense.bias"], "copy"),
+        ("mlp_norm.weight", ["output.LayerNorm.weight"], "copy"),
+        ("mlp_norm.bias", ["output.LayerNorm.bias"], "copy"),
+    ],
+    "layer_prefix": "encoder.layer.{i}.",
+}
+
+WEIGHT_RULES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2, "bert": _BERT}
 
 
 @dataclass
@@ -86,7 +105,6 @@ class Checkpoint:
     config: dict
     spec: ModelSpec
     weight_files: list[Path]
-    tokenizer_files: list[Path]
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -101,8 +119,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
     spec = spec_from_hf_config(config)
-    tokenizer_files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
-    return Checkpoint(path, config, spec, _weight_files(path), tokenizer_files)
+    return Checkpoint(path, config, spec, _weight_files(path))
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -169,9 +186,9 @@ def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch
             continue
         if (t := take(names, how, required(ours))) is not None:
             out[ours] = t
-    if spec.tie_word_embeddings:
+    if spec.kind == "decoder" and spec.tie_word_embeddings:
         out["lm_head.weight"] = out["embed.weight"].t().contiguous()
-    else:
+    elif spec.kind == "decoder":
         ours, names, how = rules["head"]
         out[ours] = take(names, how, True)
     for i in range(spec.num_layers):
@@ -190,11 +207,14 @@ def _strip(name: str, prefixes: tuple[str, ...]) -> str:
     return name
 
 
-def load_decoder(checkpoint: Checkpoint):
-    """Build llmx's Decoder and load the checkpoint's weights into it (strictly)."""
-    from llmx.export.modules import Decoder
+def load_model(checkpoint: Checkpoint):
+    """Build llmx's Decoder or Encoder for the checkpoint and load its weights (strictly)."""
+    if checkpoint.spec.kind == "encoder":
+        from llmx.export.encoder import Encoder as model_class
+    else:
+        from llmx.export.modules import Decoder as model_class
 
-    model = Decoder(checkpoint.spec)
+    model = model_class(checkpoint.spec)
     weights = map_weights(checkpoint.spec, read_state_dict(checkpoint.weight_files))
     expected = model.state_dict()
     for name, tensor in weights.items():

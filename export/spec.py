@@ -21,6 +21,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key=None),
     "qwen2": dict(norm="rms", mlp="gated", position="rope", qkv_bias=True),
     "gpt2": dict(norm="layer", mlp="plain", position="learned", qkv_bias=True, o_bias=True, mlp_bias=True),
+    # Encoders: post-norm blocks, token types, bidirectional attention, pooled output.
+    "bert": dict(kind="encoder", norm="layer", mlp="plain", position="learned", qkv_bias=True, o_bias=True, mlp_bias=True),
 }
 
 # HF activation names -> the ones llmx implements.
@@ -64,6 +66,11 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
+    kind: str = "decoder"  # "decoder" | "encoder"
+    type_vocab_size: int = 0  # encoders: token type (segment) embeddings
+    pooling: str | None = None  # encoders: "mean" | "cls" | "max" | "mean_sqrt_len"
+    normalize: bool = False  # encoders: L2-normalize the pooled embedding
+    max_input_tokens: int | None = None  # encoders: inputs are truncated to this (sentence-transformers)
 
     @property
     def q_size(self) -> int:
@@ -145,10 +152,12 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
             qkv_bias=bool(fam.get("qkv_bias") or (fam.get("qkv_bias_key") and cfg.get(fam["qkv_bias_key"]))),
             o_bias=bool(fam.get("o_bias") or (fam.get("qkv_bias_key") and cfg.get(fam["qkv_bias_key"]))),
             mlp_bias=bool(fam.get("mlp_bias") or cfg.get("mlp_bias", False)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gpt2")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gpt2")) and fam.get("kind") != "encoder",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_list(cfg.get("eos_token_id")),
             pad_token_id=cfg.get("pad_token_id"),
+            kind=fam.get("kind", "decoder"),
+            type_vocab_size=int(cfg.get("type_vocab_size", 0)),
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json lacks {exc}, which {model_type} models need") from exc

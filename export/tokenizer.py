@@ -73,6 +73,10 @@ def _chat_template(src: Path, tok_config: dict) -> str | None:
 def package_tokenizer(src: Path, dst: Path, model_config: dict) -> dict[str, Any]:
     """Copy/convert the tokenizer into ``dst/tokenizer`` and return the manifest section."""
     tok = _load_tokenizer(src)
+    # Some checkpoints ship tokenizer.json with fixed padding/truncation switched on (MiniLM pads
+    # every input to 128); the runtime pads and truncates itself, with masks.
+    tok.no_padding()
+    tok.no_truncation()
     out = dst / "tokenizer"
     out.mkdir(parents=True)
     tok.save(str(out / "tokenizer.json"))

@@ -29,9 +29,33 @@ def _close(name: str, got: np.ndarray, want: np.ndarray, atol: float, rtol: floa
     return diff
 
 
-def verify_export(model: Decoder, artifact: Path, atol: float = 1e-4, rtol: float = 1e-5, seed: int = 0) -> dict:
+def _session(path: Path):
     import onnxruntime as ort
 
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def verify_export(model, artifact: Path, atol: float = 1e-4, rtol: float = 1e-5, seed: int = 0) -> dict:
+    if model.spec.kind == "encoder":
+        return _verify_encoder(model, artifact, atol, rtol, seed)
+    return _verify_decoder(model, artifact, atol, rtol, seed)
+
+
+def _verify_encoder(model, artifact: Path, atol: float, rtol: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, model.spec.vocab_size, (3, 11), dtype=np.int64)
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0  # a padded row: pooling must ignore the padding
+    types = np.zeros_like(ids)
+    got = _session(artifact / "embed.onnx").run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": types})[0]
+    with torch.no_grad():
+        want = model(*map(torch.from_numpy, (ids, mask, types))).numpy()
+    return {"max_abs_diff": _close("embeddings", got, want, atol, rtol), "atol": atol, "rtol": rtol}
+
+
+def _verify_decoder(model: Decoder, artifact: Path, atol: float, rtol: float, seed: int) -> dict:
     spec = model.spec
     rng = np.random.default_rng(seed)
     seq = min(12, spec.max_position_embeddings - 4)
@@ -39,10 +63,7 @@ def verify_export(model: Decoder, artifact: Path, atol: float = 1e-4, rtol: floa
     mask = np.ones_like(ids)
     mask[1, : seq // 3] = 0  # left-padded second row
     pos = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    prefill = ort.InferenceSession(str(artifact / "prefill.onnx"), opts, providers=["CPUExecutionProvider"])
-    decode = ort.InferenceSession(str(artifact / "decode.onnx"), opts, providers=["CPUExecutionProvider"])
+    prefill, decode = _session(artifact / "prefill.onnx"), _session(artifact / "decode.onnx")
     worst = 0.0
     with torch.no_grad():
         got = prefill.run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": pos})

@@ -1,6 +1,7 @@
 """A batch of sequences decoding together: sequence i owns row i of one KV cache.
 
-New sequences are prefilled into the next free rows (``admit``); every ``step`` decodes one
+New sequences are prefilled into the next free rows (``admit``), or arrive with a prompt
+prefilled elsewhere in chunks (``join``, see ``chunked_prefill``); every ``step`` decodes one
 token for all of them; finished or cancelled sequences leave and the last row moves into the
 hole, so the active rows are always 0..n-1 (a contiguous view the decode graph binds).
 Both ``generate`` and the server's continuous-batching scheduler drive this one class.
@@ -39,6 +40,18 @@ class Batch:
         self.active.extend(seqs)
         self.next_ids.extend(0 for _ in seqs)
         return self._sample(logits, start)
+
+    def join(self, seq: Sequence, entries: list[np.ndarray], logits: np.ndarray) -> list[Event]:
+        """Add a sequence whose prompt was prefilled elsewhere: copy its KV ``entries`` (one
+        [kv_heads, prompt_len, head_dim] array per cache buffer) into the next free row and
+        sample its first token from ``logits`` [V]."""
+        if not self.free_rows:
+            raise InputError("batch has no free row for a prefilled sequence")
+        row = len(self.active)
+        self.cache.write(row, entries)
+        self.active.append(seq)
+        self.next_ids.append(0)
+        return self._sample(logits[None], row)
 
     def step(self) -> list[Event]:
         """Decode one token for every active sequence."""

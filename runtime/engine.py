@@ -27,9 +27,9 @@ def make_backend(artifact: Path, manifest: Manifest, name: str, **options):
 
         return OrtBackend(artifact, manifest, provider="cpu", **options)
     if name in ("ort-cuda", "ort-tensorrt"):
-        from llmx.runtime.onnx_backend import OrtBackend
+        from llmx.runtime.ort_device_backend import OrtDeviceBackend
 
-        return OrtBackend(artifact, manifest, provider=name.removeprefix("ort-"), **options)
+        return OrtDeviceBackend(artifact, manifest, provider=name.removeprefix("ort-"), **options)
     if name == "tensorrt":
         from llmx.runtime.tensorrt_backend import TensorRTBackend
 

@@ -25,6 +25,7 @@ class Tokenizer:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:
             raise ArtifactError(f"cannot load tokenizer {path}: {exc}") from exc
+        self._tok.no_padding()  # padding is the runtime's job, with attention masks
         self.bos_token_id: int | None = section.get("bos_token_id")
         self.eos_token_ids: list[int] = list(section.get("eos_token_ids") or [])
         self.pad_token_id: int = section.get("pad_token_id") or 0
@@ -38,6 +39,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def truncate_to(self, max_tokens: int) -> None:
+        """Truncate every encoding to ``max_tokens``, keeping special tokens ([CLS] ... [SEP])."""
+        self._tok.enable_truncation(max_length=max_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

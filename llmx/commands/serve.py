@@ -1,0 +1,73 @@
+import socket
+
+import click
+
+from llmx.commands.generate import backend_options
+from llmx.errors import InputError
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind here, not in werkzeug, whose bind errors exit the process with their own text."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def register(cli: click.Group) -> None:
+    @cli.command("serve")
+    @click.argument("artifact", type=click.Path(path_type=str))
+    @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind (0.0.0.0 exposes it to the network).")
+    @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0 picks a free port.")
+    @click.option("--max-batch", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences decoded together.")
+    @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+                  help="Sequences that may wait for a batch row; past it requests get 429 with Retry-After.")
+    @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
+                  help="Prompt tokens prefilled per scheduler turn; longer prompts are split so decoding never stalls.")
+    @click.option("--api-key", envvar="LLMX_API_KEY", default=None,
+                  help="Require 'Authorization: Bearer KEY' on /v1/* (or set LLMX_API_KEY).")
+    @click.option("--model-name", default=None, help="Name clients pass as 'model' (default: the artifact directory's name).")
+    @click.option("--max-body-kb", type=click.IntRange(min=1), default=1024, show_default=True, help="Largest request body accepted.")
+    @click.option("--quiet", is_flag=True, help="No per-request access log lines.")
+    @click.option("--spin/--no-spin", default=False, show_default=True,
+                  help="Let ONNX Runtime threads busy-wait between operators (only on cores the HTTP threads do not need).")
+    @backend_options
+    def serve(artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
+              backend, threads):
+        """Serve ARTIFACT over an OpenAI-compatible HTTP API.
+
+        
+        Decoder artifacts: /v1/completions, /v1/chat/completions (streaming or not).
+        Encoder artifacts: /v1/embeddings. Both: /v1/models, /health, /ready, /metrics.
+
+        \b
+        One engine per process; requests are batched continuously. For production run the
+        same app under gunicorn (docs/serving.md): gunicorn 'llmx.serve:create_app("./art")'
+        """
+        import logging
+
+        from llmx.errors import require
+
+        require("flask", "llmx serve", "serve")
+        from werkzeug.serving import make_server
+
+        from llmx.serve import create_app
+
+        listener = _listen(host, port)  # a busy port fails before the model loads
+        app = create_app(artifact, model_name=model_name, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                         api_key=api_key, max_body_bytes=max_body_kb * 1024, backend=backend, threads=threads, spin=spin)
+        service = app.extensions["llmx"]
+        service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        logging.getLogger("werkzeug").setLevel(logging.WARNING if quiet else logging.INFO)
+        server = make_server(host, port, app, threaded=True, fd=listener.fileno())  # werkzeug dups the fd
+        listener.close()
+        auth = "API key required" if service.api_key else "no API key"
+        click.echo(f"serving {service.model_name} on http://{host}:{server.socket.getsockname()[1]}/v1 "
+                   f"(max batch {max_batch}, queue {max_queue}, {auth}); Ctrl-C stops", err=True)
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
+            service.scheduler.stop()

@@ -1,0 +1,165 @@
+"""Optimization profiles: the shape ranges a TensorRT engine is built for, as pure functions of
+the manifest and the build limits (so they are checked without a GPU).
+
+With no profile TensorRT fixes every dynamic dimension to 1, so each graph input gets a
+(min, opt, max) shape. The graphs name their dynamic axes (``batch``, ``sequence``,
+``new_tokens``, ``total_length``, ``capacity``); a range per axis name gives every input's
+shapes at once.
+
+Two layouts, to be chosen by measurement on the GPU (benchmarks/gpu_bench.py runs both):
+
+- ``split``: prefill.engine from the prefill graph (whole prompt, last-position logits only)
+  and decode.engine from the decode graph; simplest data path, but the weights are on the
+  device twice.
+- ``shared``: one engine from the decode graph with two profiles, as NVIDIA's GPT-2 demo did:
+  profile 0 takes prompt chunks (prefill is decode into an empty cache), profile 1 takes
+  decode steps; one copy of the weights, two execution contexts. Prefill then computes
+  logits for every prompt position, so prompts go in chunks that bound that buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from llmx.errors import ArtifactError, InputError
+from llmx.manifest import GraphSpec, Manifest
+
+LAYOUTS = ("split", "shared")
+LOGITS_BUDGET = 256 << 20  # bytes of fp32 logits one shared-layout prefill chunk may produce
+
+
+@dataclass(frozen=True)
+class BuildLimits:
+    """What the engines must accept. ``None`` fields get defaults from the model in ``resolve``."""
+
+    max_batch: int = 8
+    max_seq_len: int | None = None  # default: min(model maximum, 2048)
+    max_decode_tokens: int = 8  # T of one decode step (speculative drafts, chunked continuation)
+    prefill_chunk: int | None = None  # shared layout: prompt tokens per prefill call
+    opt_batch: int = 1
+    opt_seq_len: int | None = None  # default: min(max_seq_len, 512)
+
+    def resolve(self, manifest: Manifest) -> "BuildLimits":
+        model_max = manifest.max_seq_len
+        seq = self.max_seq_len if self.max_seq_len is not None else min(model_max, 2048)
+        if seq < 2 or seq > model_max:
+            raise InputError(f"--max-seq-len must be between 2 and the model's maximum {model_max}, got {seq}")
+        if self.max_batch < 1:
+            raise InputError(f"--max-batch must be at least 1, got {self.max_batch}")
+        if not 1 <= self.max_decode_tokens <= seq:
+            raise InputError(f"--max-decode-tokens must be between 1 and {seq}, got {self.max_decode_tokens}")
+        if not 1 <= self.opt_batch <= self.max_batch:
+            raise InputError(f"--opt-batch must be between 1 and --max-batch {self.max_batch}, got {self.opt_batch}")
+        vocab = int(manifest.model["vocab_size"])
+        chunk = self.prefill_chunk or default_prefill_chunk(self.max_batch, vocab, seq)
+        if not 1 <= chunk <= seq:
+            raise InputError(f"--prefill-chunk must be between 1 and {seq}, got {chunk}")
+        opt_seq = min(self.opt_seq_len or 512, seq)
+        return BuildLimits(self.max_batch, seq, self.max_decode_tokens, chunk, self.opt_batch, opt_seq)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_prefill_chunk(max_batch: int, vocab_size: int, max_seq_len: int) -> int:
+    """Largest power of two (>= 16) whose [max_batch, chunk, vocab] fp32 logits fit LOGITS_BUDGET."""
+    fits = LOGITS_BUDGET // max(1, max_batch * vocab_size * 4)
+    chunk = 16
+    while chunk * 2 <= fits:
+        chunk *= 2
+    return min(chunk, max_seq_len)
+
+
+# -- profiles -------------------------------------------------------------------------------
+
+
+@dataclass
+class ProfileSpec:
+    """One optimization profile: input name -> [min, opt, max] shapes."""
+
+    name: str
+    shapes: dict[str, list[list[int]]]
+
+    def range_of(self, input_name: str, axis: int) -> tuple[int, int]:
+        lo, _, hi = self.shapes[input_name]
+        return lo[axis], hi[axis]
+
+
+@dataclass
+class EngineSpec:
+    name: str  # "prefill" | "decode" | "model"
+    graph: str  # the manifest graph it is built from
+    file: str
+    profiles: list[ProfileSpec] = field(default_factory=list)
+
+
+def axis_ranges(kind: str, limits: BuildLimits) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) per named axis for one kind of call."""
+    seq, batch = limits.max_seq_len, (1, limits.opt_batch, limits.max_batch)
+    lengths = (1, limits.opt_seq_len, seq)
+    if kind == "prefill":  # the prefill graph: whole prompts, no cache input
+        return {"batch": batch, "sequence": lengths}
+    if kind == "decode":  # decode steps into a cache of ``capacity`` slots
+        return {"batch": batch, "new_tokens": (1, 1, limits.max_decode_tokens), "total_length": lengths, "capacity": lengths}
+    if kind == "prefill_chunks":  # prompt chunks through the decode graph (shared layout)
+        chunk = limits.prefill_chunk
+        return {"batch": batch, "new_tokens": (1, min(chunk, limits.opt_seq_len), chunk), "total_length": lengths, "capacity": lengths}
+    raise ValueError(kind)
+
+
+def graph_profile(name: str, graph: GraphSpec, ranges: dict[str, tuple[int, int, int]]) -> ProfileSpec:
+    """Every input of ``graph`` with its dynamic axes replaced by ``ranges``."""
+    shapes = {}
+    for tensor in graph.inputs:
+        triple: list[list[int]] = [[], [], []]
+        for dim in tensor.shape:
+            if isinstance(dim, int):
+                values = (dim, dim, dim)
+            elif dim in ranges:
+                values = ranges[dim]
+            else:
+                raise ArtifactError(
+                    f"{graph.file} input {tensor.name} has a dynamic axis {dim!r} that llmx build has no range for "
+                    f"(known: {', '.join(sorted(ranges))})"
+                )
+            for i in range(3):
+                triple[i].append(int(values[i]))
+        shapes[tensor.name] = triple
+    return ProfileSpec(name, shapes)
+
+
+def engine_specs(manifest: Manifest, limits: BuildLimits, layout: str) -> list[EngineSpec]:
+    """The engines (and their profiles) a build produces for ``layout``."""
+    for name in ("prefill", "decode"):
+        if name not in manifest.graphs:
+            raise ArtifactError(f"artifact has no {name} graph")
+    decode = manifest.graphs["decode"]
+    if layout == "split":
+        prefill = manifest.graphs["prefill"]
+        return [
+            EngineSpec("prefill", "prefill", "prefill.engine", [graph_profile("prefill", prefill, axis_ranges("prefill", limits))]),
+            EngineSpec("decode", "decode", "decode.engine", [graph_profile("decode", decode, axis_ranges("decode", limits))]),
+        ]
+    if layout == "shared":
+        return [EngineSpec("model", "decode", "model.engine", [
+            graph_profile("prefill", decode, axis_ranges("prefill_chunks", limits)),
+            graph_profile("decode", decode, axis_ranges("decode", limits)),
+        ])]
+    raise InputError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+def ort_trt_profile_options(profile: ProfileSpec) -> dict[str, str]:
+    """The same profile in ONNX Runtime TensorRT provider syntax (``name:1x2x3,name2:...``)."""
+    keys = ("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes")
+    return {
+        key: ",".join(f"{name}:{'x'.join(map(str, shapes[i]))}" for name, shapes in profile.shapes.items())
+        for i, key in enumerate(keys)
+    }
+
+
+def profile_to_dict(profile: ProfileSpec) -> dict:
+    return {"name": profile.name, "shapes": profile.shapes}
+
+
+def profile_from_dict(data: dict) -> ProfileSpec:
+    return ProfileSpec(data["name"], {k: [list(s) for s in v] for k, v in data["shapes"].items()})

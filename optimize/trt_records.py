@@ -1,0 +1,154 @@
+"""What a TensorRT build depends on, recorded and checked: the TensorRT version, the GPU, the
+precision the GPU can run, and the INT8 calibration table llmx calibrate leaves behind.
+
+An engine runs only on the TensorRT version that built it and on GPUs of the same compute
+capability, so ``llmx build`` records both in the manifest (``extras.tensorrt``) and the
+runtime refuses a mismatch with a message that says to rebuild, instead of TensorRT's
+deserialization error. All of this is pure Python and tested with fake records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+from llmx.errors import ArtifactError, InputError, LlmxError, MissingDependencyError
+from llmx.manifest import Manifest
+
+TENSORRT_HINT = "on a machine with an NVIDIA GPU: pip install 'llmx[tensorrt]' tensorrt-cu12 (tensorrt-cu13 for CUDA 13)"
+
+# Lowest compute capability that runs each precision in TensorRT.
+PRECISION_MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (5, 3), "bf16": (8, 0), "int8": (6, 1), "fp8": (8, 9)}
+
+
+def import_tensorrt(purpose: str):
+    """``import tensorrt``, or one error that says what to install (or that CUDA is missing)."""
+    try:
+        import tensorrt
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] == "tensorrt":
+            raise MissingTensorRT(purpose) from exc
+        raise LlmxError(f"{purpose}: TensorRT is installed but cannot load ({exc})") from exc
+    except (ImportError, OSError) as exc:  # a wheel present but its CUDA libraries missing
+        raise LlmxError(f"{purpose}: TensorRT is installed but cannot load ({exc}); is the CUDA driver installed?") from exc
+    return tensorrt
+
+
+class MissingTensorRT(MissingDependencyError):
+    def __init__(self, purpose: str):
+        LlmxError.__init__(self, f"{purpose} needs TensorRT, which is not installed; {TENSORRT_HINT}")
+
+
+def llmx_cache_dir() -> Path:
+    """Where llmx keeps caches that outlive an artifact (timing caches, ORT TensorRT engines)."""
+    if os.environ.get("LLMX_CACHE_DIR"):
+        return Path(os.environ["LLMX_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmx"
+
+
+def default_timing_cache(trt_version: str, device: dict) -> Path:
+    """One timing cache per TensorRT version and GPU architecture, shared by every build there:
+    tactic timings for the same layer shapes are reused, so rebuilding is much faster."""
+    cc = str(device["compute_capability"]).replace(".", "")
+    return llmx_cache_dir() / "tensorrt" / f"timing-{trt_version}-sm{cc}.cache"
+
+
+def major_version(version: str) -> int:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError as exc:
+        raise ArtifactError(f"unreadable TensorRT version {version!r}") from exc
+
+
+def parse_cc(cc: str | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(cc, tuple):
+        return cc
+    major, _, minor = str(cc).partition(".")
+    return int(major), int(minor or 0)
+
+
+def check_precision_supported(precision: str, device: dict) -> None:
+    """Refuse a precision the GPU cannot run (bf16 before Ampere, fp8 before Ada/Hopper)."""
+    need = PRECISION_MIN_CC[precision]
+    have = parse_cc(device["compute_capability"])
+    if have < need:
+        raise InputError(
+            f"{precision} needs a GPU of compute capability {need[0]}.{need[1]} or newer; "
+            f"{device['name']} is {have[0]}.{have[1]}"
+        )
+
+
+def check_engine_compatible(record: dict, trt_version: str, device: dict) -> list[str]:
+    """Raise ArtifactError if engines built as ``record`` cannot run here; return warnings."""
+    built, where = record.get("version"), record.get("device", {})
+    if built != trt_version:
+        raise ArtifactError(
+            f"engines were built with TensorRT {built}, this machine has {trt_version}; "
+            "rebuild them here with `llmx build`"
+        )
+    if parse_cc(where.get("compute_capability", "0.0")) != parse_cc(device["compute_capability"]):
+        raise ArtifactError(
+            f"engines were built for {where.get('name')} (compute capability {where.get('compute_capability')}), "
+            f"this GPU is {device['name']} ({device['compute_capability']}); rebuild them here with `llmx build`"
+        )
+    if where.get("name") != device["name"]:
+        # Same architecture: TensorRT loads the engine, but its tactics were timed elsewhere.
+        return [f"engines were built on {where.get('name')}, running on {device['name']} (same compute capability)"]
+    return []
+
+
+# -- INT8 calibration tables -------------------------------------------------------------------
+
+TABLE_NAMES = ("calibration.cache", "calibration.json", "calibration/calibration.cache", "calibration/calibration.json")
+
+
+def find_calibration_table(artifact: Path, manifest: Manifest) -> Path | None:
+    """The calibration table an artifact carries, if any.
+
+    llmx calibrate is expected to name it in ``extras.calibration.table`` (a path relative to
+    the artifact, ONNX Runtime's ``write_calibration_table`` format); older or other writers
+    are found by ``precision.calibration_table`` or by the file names ORT writes.
+    """
+    calib = manifest.extras.get("calibration") or {}
+    candidates = [calib.get(k) for k in ("table", "cache", "calibration_table") if isinstance(calib, dict)]
+    candidates += [manifest.precision.get("calibration_table"), *TABLE_NAMES]
+    for rel in candidates:
+        if isinstance(rel, str) and (Path(artifact) / rel).is_file():
+            return Path(artifact) / rel
+    return None
+
+
+def read_calibration_table(path: Path) -> dict[str, float]:
+    """Tensor name -> absolute range (amax), from any of the formats calibration tools write:
+
+    - ONNX Runtime ``calibration.json``: ``{name: {"lowest": lo, "highest": hi}}`` (or ``[lo, hi]``);
+    - ONNX Runtime ``calibration.cache``: ``name value`` per line;
+    - TensorRT's own cache: a ``TRT-...`` header, then ``name: <float32 scale as hex>`` (amax = 127 * scale).
+    """
+    text = Path(path).read_text()
+    try:
+        if path.suffix == ".json":
+            return {k: _amax(v) for k, v in json.loads(text).items()}
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if lines and lines[0].startswith("TRT-"):
+            return {name.strip(): 127.0 * struct.unpack(">f", bytes.fromhex(value.strip()))[0]
+                    for name, _, value in (line.rpartition(":") for line in lines[1:])}
+        return {name: abs(float(value)) for name, value in (line.rsplit(None, 1) for line in lines)}
+    except (ValueError, TypeError, KeyError, struct.error) as exc:
+        raise ArtifactError(f"cannot read calibration table {path}: {exc}") from exc
+
+
+def _amax(value) -> float:
+    if isinstance(value, dict):
+        value = [value.get("lowest", 0.0), value.get("highest", 0.0)]
+    if isinstance(value, (list, tuple)):
+        return max(abs(float(_scalar(v))) for v in value)
+    return abs(float(_scalar(value)))
+
+
+def _scalar(v):
+    while isinstance(v, (list, tuple)) and len(v) == 1:  # numpy values serialized as [x]
+        v = v[0]
+    return v

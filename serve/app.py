@@ -1,0 +1,95 @@
+"""The Flask app: OpenAI-compatible routes over one ``Service`` (one engine per process).
+
+    create_app("./art")                     # the gunicorn app factory: llmx.serve:create_app("./art")
+    create_app(engine=Engine.load("./art")) # with an engine loaded already (llmx serve, tests)
+
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (encoder
+artifacts; the others answer it with a 400, and vice versa), GET /v1/models, GET /health (the
+process answers), GET /ready (model loaded), GET /metrics (Prometheus). Every error, including
+the ones Flask raises itself (404, 405, 413 body too large), is OpenAI-shaped JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from llmx.errors import require
+from llmx.serve.errors import ApiError, from_status
+from llmx.serve.service import EventStream, Service, build_service
+
+log = logging.getLogger("llmx.serve")
+
+
+def create_app(artifact=None, **options):
+    """The Flask app over a new Service; ``options`` are build_service's (max_batch, max_queue,
+    prefill_chunk, api_key, max_body_bytes, keepalive_s, backend, threads, engine, model_name)."""
+    flask = require("flask", "llmx serve", "serve")
+    service = build_service(artifact, **options)
+    app = flask.Flask("llmx.serve")
+    app.config["MAX_CONTENT_LENGTH"] = service.max_body_bytes  # refused before the body is read
+    app.extensions["llmx"] = service
+    _routes(app, flask, service)
+    return app
+
+
+def _routes(app, flask, service: Service) -> None:
+    from werkzeug.exceptions import HTTPException
+
+    request = flask.request
+
+    def error_response(err: ApiError):
+        return flask.jsonify(err.body()), err.status, err.headers()
+
+    app.register_error_handler(ApiError, error_response)
+    app.register_error_handler(HTTPException, lambda e: error_response(from_status(e.code or 500, e.description)))
+
+    @app.errorhandler(Exception)
+    def internal(exc):
+        log.exception("unhandled error")
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"))
+
+    @app.before_request
+    def authorize():
+        if request.path.startswith("/v1/"):
+            service.authorize(request.headers.get("Authorization"))
+
+    @app.after_request
+    def count(response):
+        endpoint = request.url_rule.rule if request.url_rule else "unmatched"
+        service.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    def answer(result):
+        if isinstance(result, EventStream):
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return flask.Response(result, mimetype="text/event-stream", headers=headers)
+        return flask.jsonify(result)
+
+    @app.post("/v1/completions")
+    def completions():
+        return answer(service.generate(request.get_data(cache=False), chat=False))
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return answer(service.generate(request.get_data(cache=False), chat=True))
+
+    @app.post("/v1/embeddings")
+    def embeddings():
+        return flask.jsonify(service.embed(request.get_data(cache=False)))
+
+    @app.get("/v1/models")
+    def models():
+        return flask.jsonify(service.models())
+
+    @app.get("/health")
+    def health():
+        return flask.jsonify(service.health())
+
+    @app.get("/ready")
+    def ready():
+        return flask.jsonify(service.ready())
+
+    @app.get("/metrics")
+    def prometheus():
+        body, content_type = service.metrics.render()
+        return flask.Response(body, content_type=content_type)

@@ -1,0 +1,273 @@
+"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions``, checked and turned into work.
+
+Every field has a checker (type and range, with OpenAI's names and limits) and a default;
+``null`` means the default, as in OpenAI's API. Unknown fields are refused, as OpenAI does
+("Unrecognized request argument"), so a typo never silently changes nothing. The result is a
+``Job``: tokenized prompts and one ``SamplingParams`` per choice, ready for the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from llmx.errors import InputError
+from llmx.runtime.chat import render_chat
+from llmx.runtime.sampling import SamplingParams
+from llmx.serve.errors import ApiError, bad_request
+
+MAX_CHOICES = 64  # prompts x n: sequences one request may ask for
+MAX_STOPS = 4  # OpenAI's limit
+MAX_LOGPROBS = 20
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+Checker = Callable[[Any, str], Any]
+
+
+def invalid_field(name: str, rule: str, value: Any) -> ApiError:
+    shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
+    return bad_request(f"'{name}' must be {rule}, got {shown}", param=name)
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def integer(lo: int | None = None, hi: int | None = None) -> Checker:
+    rule = "an integer" + (f" in [{lo}, {hi}]" if lo is not None and hi is not None else f" >= {lo}" if lo is not None else "")
+
+    def check(value, name):
+        if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise invalid_field(name, rule, value)
+        return value
+
+    return check
+
+
+def number(lo: float, hi: float, open_lo: bool = False) -> Checker:
+    rule = f"a number in {'(' if open_lo else '['}{lo}, {hi}]"
+
+    def check(value, name):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value > hi or value < lo or (open_lo and value == lo):
+            raise invalid_field(name, rule, value)
+        return float(value)
+
+    return check
+
+
+def boolean(value, name):
+    if not isinstance(value, bool):
+        raise invalid_field(name, "a boolean", value)
+    return value
+
+
+def string(value, name):
+    if not isinstance(value, str):
+        raise invalid_field(name, "a string", value)
+    return value
+
+
+def stop_strings(value, name):
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise invalid_field(name, f"a non-empty string or a list of at most {MAX_STOPS} non-empty strings", value)
+    return stops
+
+
+def stream_options(value, name):
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise invalid_field(name, 'an object {"include_usage": bool}', value)
+    return {"include_usage": boolean(value.get("include_usage", False), f"{name}.include_usage")}
+
+
+def unsupported(allowed: Callable[[Any], bool], why: str) -> Checker:
+    """A field OpenAI has but llmx does not implement: accepted only at its no-op value."""
+
+    def check(value, name):
+        if not allowed(value):
+            raise bad_request(f"'{name}' {why}", param=name, code="unsupported_parameter")
+        return value
+
+    return check
+
+
+# name -> (checker, default). Sampling fields keep OpenAI's ranges; top_k/min_p/typical_p/
+# repetition_penalty/ignore_eos are the extensions vLLM and llama.cpp's server also accept.
+COMMON: dict[str, tuple[Checker, Any]] = {
+    "model": (string, None),
+    "max_tokens": (integer(1), None),
+    "temperature": (number(0, 2), 1.0),
+    "top_p": (number(0, 1, open_lo=True), 1.0),
+    "top_k": (integer(-1), 0),  # -1 or 0: off
+    "min_p": (number(0, 1), 0.0),
+    "typical_p": (number(0, 1, open_lo=True), 1.0),
+    "presence_penalty": (number(-2, 2), 0.0),
+    "frequency_penalty": (number(-2, 2), 0.0),
+    "repetition_penalty": (number(0, 10, open_lo=True), 1.0),
+    "stop": (stop_strings, []),
+    "seed": (integer(0, 2**63 - 1), None),
+    "n": (integer(1, MAX_CHOICES), 1),
+    "stream": (boolean, False),
+    "stream_options": (stream_options, None),
+    "ignore_eos": (boolean, False),
+    "user": (string, None),
+    "logit_bias": (unsupported(lambda v: v == {}, "is not supported"), None),
+}
+COMPLETION = {
+    **COMMON,
+    "prompt": (lambda v, n: v, None),  # checked by prompt_ids: it needs the tokenizer
+    "logprobs": (integer(0, MAX_LOGPROBS), None),
+    "echo": (unsupported(lambda v: v is False, "is not supported (only false)"), False),
+    "best_of": (integer(1, MAX_CHOICES), None),
+    "suffix": (unsupported(lambda v: v == "", "is not supported"), None),
+}
+CHAT = {
+    **COMMON,
+    "messages": (lambda v, n: v, None),  # checked by chat_prompt
+    "logprobs": (boolean, False),
+    "top_logprobs": (integer(0, MAX_LOGPROBS), None),
+    "max_completion_tokens": (integer(1), None),
+    "response_format": (unsupported(lambda v: v == {"type": "text"}, 'supports only {"type": "text"}'), None),
+    "tools": (unsupported(lambda v: v == [], "is not supported"), None),
+    "tool_choice": (unsupported(lambda v: v == "none", 'supports only "none"'), None),
+    "parallel_tool_calls": (boolean, None),
+}
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class Job:
+    """A checked request: what to generate and how to answer."""
+
+    chat: bool
+    prompts: list[list[int]]  # token ids; choice i continues prompts[i // n]
+    params: list[SamplingParams]  # one per choice
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives per token, when logprobs were asked for
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def check_fields(body: dict, table: dict[str, tuple[Checker, Any]]) -> dict[str, Any]:
+    unknown = sorted(set(body) - set(table))
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unrecognized_argument")
+    return {name: default if body.get(name) is None else check(body[name], name) for name, (check, default) in table.items()}
+
+
+def prompt_ids(value: Any, tokenizer, vocab_size: int) -> list[list[int]]:
+    """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
+    def is_token(t):
+        return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+
+    if isinstance(value, str):
+        return [tokenizer.encode(value)]
+    if isinstance(value, list) and 0 < len(value) <= MAX_CHOICES:
+        if all(isinstance(p, str) for p in value):
+            return [tokenizer.encode(p) for p in value]
+        if all(is_token(t) for t in value):
+            return [list(value)]
+        if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in value):
+            return [list(p) for p in value]
+    rule = f"a string, a list of strings, or token ids in [0, {vocab_size}) (a list, or a list of lists), at most {MAX_CHOICES} prompts"
+    raise invalid_field("prompt", rule, value)
+
+
+def chat_messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise invalid_field("messages", "a non-empty list of messages", value)
+    messages = []
+    for i, m in enumerate(value):
+        name = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid_field(name, "an object with 'role' and 'content'", m)
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
+            raise invalid_field(f"{name}.role", f"one of {', '.join(ROLES)}", m.get("role"))
+        content = m.get("content")
+        parts = content if isinstance(content, list) else None
+        if parts is not None and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+            content = "".join(p["text"] for p in parts)
+        if not isinstance(content, str):
+            raise invalid_field(f"{name}.content", "a string or a list of text parts", m.get("content"))
+        messages.append({"role": m["role"], "content": content})
+    return messages
+
+
+def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
+    """Check a request body against the engine it will run on; raise ApiError on anything wrong."""
+    f = check_fields(parse_body(raw), CHAT if chat else COMPLETION)
+    if f["model"] is not None and f["model"] != served_model:
+        raise ApiError(404, f"The model '{f['model']}' does not exist; this server serves '{served_model}'",
+                       param="model", code="model_not_found")
+    if f["stream_options"] is not None and not f["stream"]:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not chat and f["best_of"] not in (None, f["n"]):
+        raise bad_request("'best_of' is not supported (only equal to n)", param="best_of", code="unsupported_parameter")
+    if chat and f["top_logprobs"] is not None and not f["logprobs"]:
+        raise bad_request("'logprobs' must be true when 'top_logprobs' is used", param="top_logprobs")
+    if chat:
+        if f["messages"] is None:
+            raise bad_request("'messages' is required", param="messages")
+        try:
+            text = render_chat(engine.tokenizer, chat_messages(f["messages"]))
+        except InputError as exc:
+            raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+        prompts = [engine.tokenizer.encode(text, add_special_tokens=False)]
+        logprobs = (f["top_logprobs"] or 0) if f["logprobs"] else None
+        max_tokens = f["max_completion_tokens"] or f["max_tokens"]
+    else:
+        if f["prompt"] is None:
+            raise bad_request("'prompt' is required", param="prompt")
+        prompts = prompt_ids(f["prompt"], engine.tokenizer, int(engine.manifest.model["vocab_size"]))
+        logprobs, max_tokens = f["logprobs"], f["max_tokens"] or COMPLETION_DEFAULT_MAX_TOKENS
+    if len(prompts) * f["n"] > MAX_CHOICES:
+        raise bad_request(f"prompts x n may be at most {MAX_CHOICES}", param="n")
+    budgets = [fit_context(p, max_tokens, engine.max_seq_len, "messages" if chat else "prompt") for p in prompts]
+    params = [sampling_params(f, budget, logprobs, j) for budget in budgets for j in range(f["n"])]
+    include_usage = bool(f["stream_options"] and f["stream_options"]["include_usage"])
+    return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs)
+
+
+def fit_context(prompt: list[int], max_tokens: int | None, limit: int, param: str) -> int:
+    """The completion budget of one prompt; 400 when prompt + max_tokens exceed the context."""
+    if not prompt:
+        raise bad_request("prompt is empty (it encodes to no tokens)", param=param)
+    budget = limit - len(prompt) if max_tokens is None else max_tokens
+    if len(prompt) >= limit or len(prompt) + budget > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, however you requested {len(prompt) + max(budget, 0)} "
+            f"tokens ({len(prompt)} in the prompt, {max(budget, 0)} for the completion). Shorten the prompt or max_tokens.",
+            param=param if max_tokens is None or len(prompt) >= limit else "max_tokens", code="context_length_exceeded")
+    return budget
+
+
+def sampling_params(f: dict, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    """Choice j of n samples with seed + j: choice 0 equals ``llmx generate --seed`` exactly."""
+    params = SamplingParams(
+        max_new_tokens=max_tokens, temperature=f["temperature"], top_k=max(f["top_k"], 0), top_p=f["top_p"],
+        min_p=f["min_p"], typical_p=f["typical_p"], repetition_penalty=f["repetition_penalty"],
+        presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
+        seed=None if f["seed"] is None else f["seed"] + choice, stop=list(f["stop"]), ignore_eos=f["ignore_eos"],
+        logprobs=logprobs)
+    try:
+        return params.validate()
+    except InputError as exc:
+        raise bad_request(str(exc)) from None

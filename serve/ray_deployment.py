@@ -1,0 +1,98 @@
+"""Ray Serve: the same server as a Ray Serve deployment, to scale out over replicas and nodes.
+
+    serve run llmx.serve.ray_deployment:build_app artifact=/abs/path/art num_replicas=2 threads=2
+
+Each replica is a Ray actor holding one ``Service`` (one engine, its own continuous batching),
+created inside the actor's process, so nothing native crosses a fork. Ray's HTTP proxy spreads
+requests over the replicas, on one machine or a cluster; the routes, request checks, errors and
+streams are the Flask app's, because both adapt the same Service. Ray is imported only by
+``build_app``: the llmx package does not depend on it (``pip install 'llmx[ray]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from llmx.serve.errors import ApiError
+from llmx.serve.service import EventStream, build_service
+
+INT_OPTIONS = ("max_batch", "max_queue", "prefill_chunk", "threads", "max_body_bytes")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class LlmxReplica:
+    """One replica: a Service behind an async ``__call__`` that Ray Serve's proxy invokes."""
+
+    def __init__(self, artifact: str, **options):
+        self.service = build_service(artifact, **options)
+        self.service.scheduler.ready.wait()  # take traffic only once the engine is loaded
+        if self.service.scheduler.load_error:
+            raise RuntimeError(f"llmx engine failed to load: {self.service.scheduler.load_error}")
+
+    def check_health(self) -> None:
+        """Ray Serve calls this; raising makes it replace the replica."""
+        if not self.service.scheduler.alive:
+            raise RuntimeError("llmx scheduler thread stopped")
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse
+
+        try:
+            return await self._route(request)
+        except ApiError as err:
+            return JSONResponse(err.body(), err.status, headers=err.headers())
+
+    async def _route(self, request):
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+
+        service, method, path = self.service, request.method, request.url.path
+        if path.startswith("/v1/"):
+            service.authorize(request.headers.get("authorization"))
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            if method != "POST":
+                raise ApiError(405, "use POST", code="method_not_allowed")
+            if int(request.headers.get("content-length") or 0) > service.max_body_bytes:
+                raise ApiError(413, f"request body is larger than {service.max_body_bytes} bytes", code="request_too_large")
+            result = await asyncio.to_thread(service.generate, await request.body(), path.endswith("chat/completions"))
+            if isinstance(result, EventStream):
+                return StreamingResponse(_relay(result), media_type="text/event-stream", headers=SSE_HEADERS)
+            return JSONResponse(result)
+        pages = {"/v1/models": service.models, "/health": service.health, "/ready": service.ready}
+        if path == "/metrics" and method == "GET":
+            body, content_type = service.metrics.render()
+            return Response(body, media_type=content_type)
+        if path not in pages:
+            raise ApiError(404, f"no route {path}", code="not_found")
+        if method != "GET":
+            raise ApiError(405, "use GET", code="method_not_allowed")
+        return JSONResponse(pages[path]())
+
+
+async def _relay(stream: EventStream):
+    """The blocking EventStream, read in a worker thread; a disconnect (cancellation) closes it."""
+    try:
+        while (item := await asyncio.to_thread(next, stream, None)) is not None:
+            yield item
+    finally:
+        stream.close()
+
+
+def build_app(args: dict):
+    """Ray Serve application builder; ``args`` as ``serve run`` passes them (strings are fine):
+    artifact (required), num_replicas, num_cpus (per replica, default: threads or 1), and any
+    build_service option (max_batch, max_queue, prefill_chunk, threads, api_key, model_name...)."""
+    from ray import serve
+
+    options = dict(args)
+    artifact = options.pop("artifact")
+    replicas = int(options.pop("num_replicas", 1))
+    for name in INT_OPTIONS:
+        if name in options:
+            options[name] = int(options[name])
+    if "keepalive_s" in options:
+        options["keepalive_s"] = float(options["keepalive_s"])
+    cpus = float(options.pop("num_cpus", options.get("threads") or 1))
+    concurrency = options.get("max_batch", 8) + options.get("max_queue", 64) + 8  # queueing is llmx's job, not Ray's
+    deployment = serve.deployment(LlmxReplica, name="llmx", num_replicas=replicas, ray_actor_options={"num_cpus": cpus},
+                                  max_ongoing_requests=concurrency)
+    return deployment.bind(str(artifact), **options)

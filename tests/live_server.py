@@ -1,0 +1,74 @@
+"""A real llmx server on a loopback port, in a thread of the test process (werkzeug's threaded
+server, as ``llmx serve`` runs it): tests talk to it through a real socket."""
+
+from __future__ import annotations
+
+import threading
+
+from werkzeug.serving import make_server
+
+from llmx.serve import create_app
+
+
+class LiveServer:
+    def __init__(self, **app_options):
+        self.app = create_app(**app_options)
+        self.service = self.app.extensions["llmx"]
+        # Decoders run a Scheduler, encoders an EmbeddingBatcher: both have `ready`/`load_error`.
+        self.scheduler = getattr(self.service, "scheduler", None)
+        self.worker = self.scheduler or self.service.batcher
+        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self._thread.start()
+        assert self.worker.ready.wait(60), self.worker.load_error
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        if self.scheduler:
+            self.scheduler.stop()
+
+    def client(self, **options):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=options.pop("api_key", "unused"), **options)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample's value from /metrics (0 when absent)."""
+        import requests
+
+        text = requests.get(self.url + "/metrics", timeout=10).text
+        key = f"{name}{{{labels}}}" if labels else name
+        for line in text.splitlines():
+            if line.startswith(key + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+class SlowBackend:
+    """A real backend whose decode steps take at least ``delay`` seconds: lets tests hold a
+    batch row long enough to disconnect, queue or overload deterministically."""
+
+    def __init__(self, backend, delay: float):
+        self.backend, self.delay = backend, delay
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def decode(self, cache, input_ids):
+        import time
+
+        time.sleep(self.delay)
+        return self.backend.decode(cache, input_ids)
+
+
+def slow_engine(artifact, delay: float):
+    from llmx.runtime.engine import Engine
+
+    engine = Engine.load(artifact, threads=1)
+    engine.backend = SlowBackend(engine.backend, delay)
+    return engine

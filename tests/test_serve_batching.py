@@ -1,0 +1,187 @@
+"""The engine side of serving: chunked prefill, joining a running batch, and the scheduler's
+continuous batching, cancellation and queue bound, without HTTP. Results must equal the
+plain generation loop's for the same settings: batching never changes what a request gets."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from llmx.runtime.batch import Batch
+from llmx.runtime.chunked_prefill import ChunkedPrefill
+from llmx.runtime.engine import Engine
+from llmx.runtime.sampling import SamplingParams
+from llmx.runtime.sequence import Sequence
+from llmx.serve.errors import ApiError
+from llmx.serve.scheduler import QueueFull, Scheduler
+from llmx.serve.service import Service
+
+LONG = "def parse(text, *, strict=True):\n    for i, line in enumerate(text.splitlines()):\n        yield i, line.strip()\n"
+
+
+@pytest.fixture(scope="module")
+def engine(llama_artifact):
+    """The scheduler's own engine: a backend's IO binding belongs to one thread at a time."""
+    return Engine.load(llama_artifact, threads=1)
+
+
+@contextmanager
+def running(scheduler: Scheduler):
+    """A started scheduler, stopped afterwards whatever happens."""
+    scheduler.start()
+    try:
+        yield scheduler
+    finally:
+        scheduler.stop()
+
+
+def sequence(engine, text: str, **params) -> Sequence:
+    return Sequence(engine.encode(text), SamplingParams(**params), engine.tokenizer, engine.max_seq_len)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_equals_one_prefill_and_joins_a_batch(llama_engine, chunk):
+    backend, prompt = llama_engine.backend, llama_engine.encode(LONG)
+    assert len(prompt) > 2 * 16
+    whole = backend.new_cache(1, len(prompt))
+    logits = backend.prefill(whole, [0], [prompt])[0].copy()
+    params = dict(max_new_tokens=12, temperature=0.8, seed=4, ignore_eos=True)
+    seq = sequence(llama_engine, LONG, **params)
+    prefill = ChunkedPrefill(backend, seq, chunk)
+    steps = 0
+    while not prefill.finished:
+        steps += prefill.step() > 0
+    assert steps == -(-len(prompt) // chunk)
+    np.testing.assert_allclose(prefill.logits, logits, atol=1e-4)
+    for mine, ref in zip(prefill.entries(), whole.read(0)):
+        np.testing.assert_allclose(mine, ref, atol=1e-4)
+    batch = Batch(backend, rows=2, capacity=len(prompt) + 4)  # grows while decoding
+    batch.join(seq, prefill.entries(), prefill.logits)
+    while batch.active:
+        batch.step()
+    assert seq.output_ids == llama_engine.generate([LONG], SamplingParams(**params))[0].output_ids
+
+
+def drain(ticket, timeout=30.0):
+    """All updates of a ticket, in order, once its choices have finished."""
+    assert ticket.done.wait(timeout)
+    out = []
+    while not ticket.updates.empty():
+        out.append(ticket.updates.get())
+    return out
+
+
+def test_scheduler_batches_continuously_and_results_equal_generate(engine, llama_engine):
+    with running(Scheduler(lambda: engine, max_batch=3, max_queue=8, prefill_chunk=16)) as scheduler:
+        assert scheduler.ready.wait(30)
+        jobs = [("import os", dict(max_new_tokens=40, temperature=0, ignore_eos=True)),
+                ("x = [", dict(max_new_tokens=10, temperature=0.9, seed=1)),
+                (LONG, dict(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=2)),  # chunked: 16 per turn
+                ("class A:", dict(max_new_tokens=8, temperature=1.0, top_k=20, seed=3, presence_penalty=0.5))]
+        first = scheduler.submit([sequence(engine, *jobs[0][:1], **jobs[0][1])])
+        first_update = first.updates.get(timeout=30)  # the first request is decoding now
+        rest = [scheduler.submit([sequence(engine, text, **p)]) for text, p in jobs[1:]]
+        updates = [[first_update] + drain(first)] + [drain(t) for t in rest]
+        for (text, p), ticket, ups in zip(jobs, [first] + rest, updates):
+            ref = llama_engine.generate([text], SamplingParams(**p))[0]
+            assert ticket.seqs[0].output_ids == ref.output_ids
+            assert "".join(u.text for u in ups) == ref.text
+            assert ups[-1].finish_reason == ref.finish_reason and ups[-1].tokens == len(ref.output_ids)
+        # The later requests joined while the first was still decoding, and shared its steps.
+        value = scheduler.metrics.registry.get_sample_value
+        one, steps = value("llmx_decode_batch_size_bucket", {"le": "1.0"}), value("llmx_decode_batch_size_count")
+        assert one < steps, "no decode step ever held more than one sequence"
+
+
+def test_running_streams_keep_decoding_while_a_long_prompt_is_prefilled(engine):
+    with running(Scheduler(lambda: engine, max_batch=2, prefill_chunk=4)) as scheduler:
+        decoding = scheduler.submit([sequence(engine, "def", max_new_tokens=150, temperature=0, ignore_eos=True)])
+        decoding.updates.get(timeout=30)
+        long = scheduler.submit([sequence(engine, LONG, max_new_tokens=2, temperature=0)])
+        first = drain(long)[0]
+        chunks = -(-len(engine.encode(LONG)) // 4)
+        assert first.turn - long.queued_turn >= chunks  # one chunk per turn, never the whole prompt at once
+        during = [u for u in drain(decoding) if long.queued_turn <= u.turn < first.turn]
+        assert len(during) >= chunks - 1  # and every one of those turns decoded the running stream
+
+
+def test_cancel_frees_the_row_at_once(engine):
+    with running(Scheduler(lambda: engine, max_batch=1, max_queue=4)) as scheduler:
+        long = scheduler.submit([sequence(engine, "def", max_new_tokens=200, temperature=0, ignore_eos=True)])
+        waiting = scheduler.submit([sequence(engine, "x", max_new_tokens=4, temperature=0)])
+        long.updates.get(timeout=30)
+        assert scheduler.counts() == (1, 1)
+        scheduler.cancel(long)
+        drain(waiting)  # got the row
+        seq = long.seqs[0]
+        assert seq.finish_reason == "cancelled" and len(seq.output_ids) < 200
+        assert scheduler.counts() == (0, 0)
+        assert scheduler.metrics.registry.get_sample_value("llmx_cancelled_sequences_total") == 1
+
+
+def test_queue_bound_counts_running_and_waiting(engine):
+    with running(Scheduler(lambda: engine, max_batch=1, max_queue=1)) as scheduler:
+        scheduler.ready.wait(30)
+        held = [scheduler.submit([sequence(engine, "def", max_new_tokens=50, temperature=0, ignore_eos=True)]) for _ in range(2)]
+        with pytest.raises(QueueFull):
+            scheduler.submit([sequence(engine, "x", max_new_tokens=2)])
+        for t in held:
+            drain(t)
+        drain(scheduler.submit([sequence(engine, "x", max_new_tokens=2)]))  # room again
+
+
+def test_engine_errors_fail_the_requests_they_hit_and_the_server_goes_on(engine):
+    class Flaky:  # a real backend whose next call of one method raises
+        def __init__(self, backend):
+            self.backend, self.fail = backend, None
+
+        def __getattr__(self, name):
+            return getattr(self.backend, name)
+
+        def call(self, name, *args):
+            if self.fail == name:
+                self.fail = None
+                raise RuntimeError(f"device lost in {name}")
+            return getattr(self.backend, name)(*args)
+
+        def decode(self, *args):
+            return self.call("decode", *args)
+
+        def prefill(self, *args):
+            return self.call("prefill", *args)
+
+    flaky = Engine(engine.artifact, engine.manifest, Flaky(engine.backend), engine.tokenizer)
+    with running(Scheduler(lambda: flaky, max_batch=2)) as scheduler:
+        scheduler.ready.wait(30)
+        broken = scheduler.submit([sequence(engine, "def", max_new_tokens=100, temperature=0, ignore_eos=True)])
+        broken.updates.get(timeout=30)
+        flaky.backend.fail = "decode"
+        assert "device lost in decode" in drain(broken)[-1].message
+        flaky.backend.fail = "prefill"
+        assert "device lost in prefill" in drain(scheduler.submit([sequence(engine, "x", max_new_tokens=3)]))[-1].message
+        ok = drain(scheduler.submit([sequence(engine, "x", max_new_tokens=3, temperature=0, ignore_eos=True)]))
+        assert ok[-1].tokens == 3 and scheduler.alive and scheduler.counts() == (0, 0)
+
+
+def test_time_between_tokens_is_recorded(engine):
+    with running(Scheduler(lambda: engine)) as scheduler:
+        drain(scheduler.submit([sequence(engine, "def", max_new_tokens=6, temperature=0, ignore_eos=True)]))
+        value = scheduler.metrics.registry.get_sample_value
+        assert value("llmx_time_to_first_token_seconds_count") == 1
+        assert value("llmx_inter_token_latency_seconds_count") == 5 and value("llmx_inter_token_latency_seconds_sum") > 0
+        assert value("llmx_generation_tokens_total") == 6 and value("llmx_prompt_tokens_total") == len(engine.encode("def"))
+
+
+def test_not_ready_until_the_engine_loads(engine):
+    gate = threading.Event()
+    with running(Scheduler(lambda: gate.wait(30) and engine)) as scheduler:
+        service = Service(scheduler, "llama")
+        with pytest.raises(ApiError) as info:
+            service.ready()
+        assert info.value.status == 503 and info.value.headers() == {"Retry-After": "1"}
+        assert service.health() == {"status": "ok"}
+        gate.set()
+        assert scheduler.ready.wait(30) and service.ready()["status"] == "ready"
