@@ -1,1 +1,131 @@
-"""Calibration: INT8/INT4 quantization of artifacts with a measured quality report."""
+"""Calibration: INT8/INT4 quantization of artifacts with a measured quality report.
+
+    artifact + text --> windows --> (SmoothQuant) --> quantized prefill + decode --> report
+                                                                                    |
+                        new artifact: graphs, weights.bin, quality.json, tensorrt/ <+
+
+Schemes: ``w8a8`` static INT8 Q/DQ (calibrated activations, per-channel weights; the graphs
+TensorRT reads), ``w8`` and ``w4`` weight-only MatMulNBits. Both graphs are quantized; decode
+is calibrated on real KV caches (see ``feeds``). Importing this package is cheap; the work
+happens in ``calibrate_artifact``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from llmx.calibration.pipeline import Progress, silent
+from llmx.calibration.static import METHODS
+from llmx.errors import ArtifactError, InputError
+from llmx.manifest import Manifest, load_manifest
+
+SCHEMES = ("w8a8", "w8", "w4")
+
+
+@dataclass
+class CalibrationOptions:
+    scheme: str
+    method: str = "percentile"  # w8a8: how activation ranges are chosen (best of the three on real text)
+    smoothquant: float | None = None  # w8a8: SmoothQuant alpha (None: off)
+    per_channel: bool = True  # w8a8: weight scales per output channel (else per tensor)
+    block_size: int = 32  # w8/w4: input channels per scale
+    symmetric: bool = True  # w8/w4: no zero points
+    samples: int = 32  # calibration windows
+    seq_len: int = 256  # tokens per window
+    eval_samples: int = 16  # evaluation windows
+    threads: int | None = None
+
+    def validate(self) -> "CalibrationOptions":
+        if self.scheme not in SCHEMES:
+            raise InputError(f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if self.method not in METHODS:
+            raise InputError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.smoothquant is not None and not 0.0 <= self.smoothquant <= 1.0:
+            raise InputError(f"--smoothquant alpha must be in [0, 1], got {self.smoothquant}")
+        if self.smoothquant is not None and self.scheme != "w8a8":
+            raise InputError("--smoothquant applies to w8a8 only (weight-only schemes leave activations in fp32)")
+        if self.scheme != "w8a8":
+            from llmx.calibration.weight_only import check_block_size
+
+            check_block_size(self.block_size)
+        return self
+
+    def precision(self) -> dict:
+        """The manifest's ``precision`` section for this scheme."""
+        if self.scheme == "w8a8":
+            return {"weights": "int8", "activations": "int8", "scheme": self.scheme, "method": self.method,
+                    "smoothquant": self.smoothquant, "per_channel": self.per_channel, "symmetric": True}
+        return {"weights": "int8" if self.scheme == "w8" else "int4", "activations": "float32", "scheme": self.scheme,
+                "block_size": self.block_size, "symmetric": self.symmetric}
+
+
+def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, options: CalibrationOptions,
+                       eval_data: str | Path | None = None, force: bool = False,
+                       log: Callable[[str], None] = lambda msg: None,
+                       progress: Progress = silent) -> Manifest:
+    """Quantize artifact ``src`` into ``out`` calibrated on ``data``; returns the new manifest."""
+    from llmx.artifact import finish, staged_artifact
+    from llmx.calibration import pipeline
+    from llmx.calibration.report import measure, write_report
+
+    options.validate()
+    src = Path(src)
+    manifest = load_manifest(src)
+    check_unquantized(src, manifest)
+    split, data_record = load_windows(src, manifest, data, eval_data, options)
+    log(f"{options.scheme}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
+    with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-calibrate-") as work:
+        models, weights_dir, record = pipeline.quantize_graphs(src, manifest, split.calibration, options, Path(work),
+                                                               progress)
+        new = pipeline.write_quantized(src, manifest, tmp, models, weights_dir, options, record)
+        new.precision["data"] = data_record
+        log(f"measuring quality on {len(split.evaluation)} held-out windows")
+        with progress("evaluating", len(split.evaluation)) as bar:
+            measured = measure(src, tmp, new, split.evaluation, options.threads, bar.update)
+        source = str(eval_data) if eval_data else f"held-out tail of {data}"
+        report = {"scheme": options.scheme, "options": asdict(options),
+                  "evaluation": {"source": source, "windows": len(split.evaluation), "seq_len": split.seq_len},
+                  **measured}
+        write_report(tmp, report)
+        new.extras["quality"] = report
+        finish(tmp, new)
+    return new
+
+
+def load_windows(src: Path, manifest: Manifest, data, eval_data, options: CalibrationOptions):
+    """(calibration/evaluation split, the manifest's record of the data) for ``--data``/``--eval-data``."""
+    from llmx.calibration.data import read_text_data, split_windows, token_windows
+    from llmx.runtime.tokenizer import Tokenizer
+
+    if options.seq_len > manifest.max_seq_len:
+        raise InputError(f"--seq-len {options.seq_len} exceeds the model's maximum length {manifest.max_seq_len}")
+    tokenizer = Tokenizer(src, manifest)
+    text = read_text_data(data)
+    record = {"source": str(data), "sha256": text.sha256}
+    held_out = None
+    if eval_data is not None:
+        eval_text = read_text_data(eval_data)
+        held_out = token_windows(tokenizer, eval_text, options.seq_len)
+        record.update(eval_source=str(eval_data), eval_sha256=eval_text.sha256)
+    split = split_windows(token_windows(tokenizer, text, options.seq_len), options.seq_len, options.samples,
+                          options.eval_samples, held_out, source=str(data))
+    record.update(windows=len(split.calibration), seq_len=split.seq_len)
+    return split, record
+
+
+def check_unquantized(src: Path, manifest: Manifest) -> None:
+    from llmx.calibration.matmuls import is_quantized
+    from llmx.onnx_files import load_graph
+
+    if manifest.kind != "decoder":
+        raise ArtifactError(f"{src} holds a {manifest.kind} model; calibration needs a decoder artifact")
+    scheme = manifest.precision.get("scheme")
+    if scheme or any(is_quantized(load_graph(src / g.file)) for g in manifest.graphs.values()):
+        raise ArtifactError(f"{src} is already quantized ({scheme or 'quantized ops in its graphs'}); "
+                            "calibrate the fp32 artifact it was made from")
+
+
+__all__ = ["CalibrationOptions", "SCHEMES", "METHODS", "calibrate_artifact"]

@@ -1,0 +1,132 @@
+"""The calibration pipeline: source graphs -> (SmoothQuant) -> quantized graphs -> new artifact.
+
+Every step reads graphs from a directory and writes the next step's graphs (with their own
+weights.bin) into a scratch directory; only ``write_quantized`` writes into the artifact being
+staged. Graphs are named by their manifest key (``prefill``, ``decode``) throughout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from llmx.manifest import Manifest
+
+if TYPE_CHECKING:
+    from llmx.calibration import CalibrationOptions
+
+
+class _Silent:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+# progress(description, total) -> a context manager whose value has .update(n) (tqdm fits).
+Progress = Callable[[str, int], object]
+
+
+def silent(description: str, total: int) -> _Silent:
+    return _Silent()
+
+
+def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], options: CalibrationOptions,
+                    work: Path, progress: Progress) -> tuple[dict, Path | None, dict]:
+    """(quantized models, the directory their external data lives in, what was done)."""
+    from llmx.calibration.feeds import Feeds
+    from llmx.calibration.matmuls import declare_activation_types, name_nodes
+    from llmx.onnx_files import load_graph, save_graphs
+
+    fp32 = work / "fp32"
+    fp32.mkdir()
+    models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
+    for model in models.values():
+        name_nodes(model)
+        declare_activation_types(model)
+    save_graphs(models, fp32, sources={name: src for name in models})
+    paths = {name: fp32 / f"{name}.onnx" for name in models}
+    if options.scheme != "w8a8":
+        return weight_only_graphs(paths, options), None, {}
+    feeds = Feeds(src, manifest, windows, options.threads)
+    record = {}
+    if options.smoothquant is not None:
+        paths, record["smoothquant"] = smooth_graphs(paths, feeds, options, work / "smooth", progress)
+    return static_graphs(paths, feeds, options, work / "qdq", progress), work / "qdq", record
+
+
+def weight_only_graphs(paths: dict[str, Path], options: CalibrationOptions) -> dict:
+    import onnx
+
+    from llmx.calibration.weight_only import quantize_weights
+
+    return {name: quantize_weights(onnx.load_model(str(path)), options.scheme, options.block_size, options.symmetric)
+            for name, path in paths.items()}
+
+
+def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress = silent):
+    """SmoothQuant both graphs with one set of scales; returns (new graph paths, what was done)."""
+    from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
+    from llmx.onnx_files import load_graph, save_graphs
+
+    total = sum(feeds.count(name) for name in paths)
+    with progress("smoothquant statistics", total) as bar:
+        absmax = activation_absmax(paths, feeds, bar.update, options.threads)
+    base = next(iter(paths.values())).parent
+    models = {name: load_graph(path) for name, path in paths.items()}
+    scales = {}
+    for model in models.values():  # prefill and decode hold the same groups: same keys, same scales
+        scales.update(smoothing_scales(model, base, absmax, options.smoothquant))
+    counts = {name: apply_smoothing(model, base, scales) for name, model in models.items()}
+    out.mkdir()
+    save_graphs(models, out, sources={name: base for name in models})
+    return {name: out / f"{name}.onnx" for name in models}, {"alpha": options.smoothquant, "groups": len(scales),
+                                                            "per_graph": counts}
+
+
+def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress) -> dict:
+    from llmx.calibration.static import collect_ranges, quantize_qdq
+    from llmx.onnx_files import load_graph
+
+    out.mkdir()
+    for name, path in paths.items():
+        with progress(f"calibrating {name}", feeds.count(name)) as bar:
+            ranges = collect_ranges(path, feeds(name), options.method, bar.update)
+        quantize_qdq(path, out / f"{name}.onnx", ranges, options.method, options.per_channel)
+    return {name: load_graph(out / f"{name}.onnx") for name in paths}
+
+
+def write_quantized(src: Path, manifest: Manifest, tmp: Path, models: dict, weights_dir: Path | None,
+                    options: CalibrationOptions, record: dict) -> Manifest:
+    """Graphs, tokenizer and TensorRT tables into ``tmp``; the new manifest (not yet saved)."""
+    from llmx.artifact import copy_tokenizer
+    from llmx.onnx_files import describe_graph, save_graphs
+
+    save_graphs(models, tmp, sources={name: weights_dir for name in models} if weights_dir else None)
+    copy_tokenizer(src, tmp)
+    portable = options.scheme == "w8a8" and all(g.ops == "portable" for g in manifest.graphs.values())
+    ops = "portable" if portable else "onnxruntime"
+    new = manifest.with_stage("calibrate", scheme=options.scheme, **record)
+    new.graphs = {name: describe_graph(model, f"{name}.onnx", ops=ops) for name, model in models.items()}
+    new.precision = options.precision()
+    new.extras = {k: v for k, v in manifest.extras.items() if k != "verify"}
+    if options.scheme == "w8a8":
+        new.extras["tensorrt"] = _tensorrt_tables(tmp, models, options.method)
+    return new
+
+
+def _tensorrt_tables(tmp: Path, models: dict, method: str) -> dict:
+    from llmx.calibration.static import activation_scales
+    from llmx.calibration.tensorrt_cache import TRT_VERSION, write_tables
+
+    tables = {}
+    for name, model in models.items():
+        folder = Path("tensorrt") / name
+        files = write_tables(tmp / folder, activation_scales(model, tmp), method)
+        tables[name] = [(folder / f).as_posix() for f in files]
+    return {"calibration_tables": tables, "trt_version_header": TRT_VERSION,
+            "note": "keys are the tensors feeding QuantizeLinear nodes; scales equal the Q/DQ scales"}

@@ -1,0 +1,77 @@
+"""The quality report: what quantization cost, measured on held-out text.
+
+    perplexity (fp32 and quantized) and their ratio, top-1 next-token agreement, mean
+    KL(fp32 || quantized) of next-token distributions, and each graph's size on disk
+
+written to ``quality.json`` in the quantized artifact, recorded in its manifest and printed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from llmx.manifest import Manifest, load_manifest
+from llmx.onnx_files import load_graph
+
+REPORT_FILE = "quality.json"
+
+
+def graph_bytes(artifact: Path, manifest: Manifest) -> dict[str, int]:
+    """Bytes each graph needs: its .onnx file plus the external tensors it references."""
+    sizes = {}
+    for name, spec in manifest.graphs.items():
+        model = load_graph(artifact / spec.file)
+        external = 0
+        for init in model.graph.initializer:
+            info = {e.key: e.value for e in init.external_data}
+            external += int(info.get("length", 0))
+        sizes[name] = (artifact / spec.file).stat().st_size + external
+    return sizes
+
+
+def measure(reference: Path, candidate: Path, candidate_manifest: Manifest, windows: list[list[int]],
+            threads: int | None = None, progress: Callable[[int], None] = lambda n: None) -> dict:
+    """Perplexity of both artifacts and their agreement on ``windows`` (ONNX Runtime CPU)."""
+    from llmx.runtime.engine import make_backend
+    from llmx.runtime.evaluate import agreement
+
+    ref_manifest = load_manifest(reference)
+    ref = make_backend(reference, ref_manifest, "ort-cpu", threads=threads)
+    cand = make_backend(candidate, candidate_manifest, "ort-cpu", threads=threads)
+    result = agreement(ref, cand, windows, progress).summary()
+    return {
+        "fp32": {"perplexity": result["reference_perplexity"], "graph_bytes": graph_bytes(reference, ref_manifest)},
+        "quantized": {"perplexity": result["perplexity"], "graph_bytes": graph_bytes(candidate, candidate_manifest)},
+        "perplexity_ratio": result["perplexity_ratio"],
+        "top1_agreement": result["top1_agreement"],
+        "mean_kl": result["mean_kl"],
+        "tokens": result["tokens"],
+        "windows": result["windows"],
+    }
+
+
+def write_report(directory: Path, report: dict) -> None:
+    (Path(directory) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def format_report(report: dict) -> str:
+    ev, fp, q = report["evaluation"], report["fp32"], report["quantized"]
+    scheme = report["scheme"]
+    rows = [
+        f"quality of {scheme} on {ev['source']}: {ev['windows']} windows x {ev['seq_len']} tokens "
+        f"({report['tokens']} predictions)",
+        f"  {'':18}{'fp32':>12}{scheme:>12}{'change':>10}",
+        f"  {'perplexity':18}{fp['perplexity']:>12.3f}{q['perplexity']:>12.3f}{report['perplexity_ratio']:>9.4f}x",
+        f"  {'top-1 agreement':18}{'':>12}{report['top1_agreement']:>11.2%}",
+        f"  {'mean KL (nats)':18}{'':>12}{report['mean_kl']:>12.5f}",
+    ]
+    for name, size in fp["graph_bytes"].items():
+        new = q["graph_bytes"].get(name, 0)
+        rows.append(f"  {name + ' graph':18}{_mib(size):>12}{_mib(new):>12}{new / size:>9.2f}x")
+    return "\n".join(rows)

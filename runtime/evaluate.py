@@ -1,0 +1,131 @@
+"""Perplexity and agreement of next-token distributions, for any artifact and backend.
+
+Each window of S tokens is scored the way generation runs, so both graphs and the KV handoff
+between them count (h = S // 2):
+
+    decode(empty cache, tokens 0..h-1)   -> predictions of tokens 1..h-1   (decode returns every
+                                            position; prefill returns only the last)
+    prefill(tokens 0..h-1)               -> prediction of token h, and the KV cache of 0..h-1
+    decode(that cache, tokens h..S-1)    -> predictions of tokens h+1..S-1
+
+Every token but the first is predicted exactly once; a fault in either graph, or in the cache
+prefill writes for decode, shows up in the score.
+
+    perplexity = exp(mean over positions of -log p(next token))
+    top-1 agreement = share of positions where two models pick the same argmax
+    mean KL = mean over positions of KL(p_reference || p_candidate)
+
+Torch-free: numpy on the logits the backend returns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import numpy as np
+
+from llmx.errors import InputError
+
+_LOGITS_BUDGET = 1 << 24  # floats of logits per decode call: bounds memory on large vocabularies
+
+
+@dataclass
+class Score:
+    """Running negative log-likelihood of one model over the windows seen so far."""
+
+    nll: float = 0.0
+    tokens: int = 0
+    windows: int = 0
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
+
+    def add(self, logprobs: np.ndarray, targets: np.ndarray) -> None:
+        # logprobs: [T-1, V] for positions 0..T-2; targets: [T-1] the tokens that followed
+        self.nll -= float(logprobs[np.arange(len(targets)), targets].sum(dtype=np.float64))
+        self.tokens += len(targets)
+        self.windows += 1
+
+
+@dataclass
+class Agreement:
+    """How close a candidate's next-token distributions stay to a reference's."""
+
+    reference: Score = field(default_factory=Score)
+    candidate: Score = field(default_factory=Score)
+    same_top1: int = 0
+    kl_sum: float = 0.0
+
+    def add(self, ref: np.ndarray, cand: np.ndarray, targets: np.ndarray) -> None:
+        self.reference.add(ref, targets)
+        self.candidate.add(cand, targets)
+        self.same_top1 += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        self.kl_sum += float((np.exp(ref) * (ref - cand)).sum(dtype=np.float64))
+
+    def summary(self) -> dict:
+        n = self.reference.tokens
+        return {
+            "reference_perplexity": self.reference.perplexity,
+            "perplexity": self.candidate.perplexity,
+            "perplexity_ratio": self.candidate.perplexity / self.reference.perplexity,
+            "top1_agreement": self.same_top1 / n if n else float("nan"),
+            "mean_kl": self.kl_sum / n if n else float("nan"),
+            "tokens": n,
+            "windows": self.reference.windows,
+        }
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def window_logprobs(backend, windows: list[list[int]]) -> Iterable[np.ndarray]:
+    """Next-token log-probabilities [S-1, V] for each window, in order."""
+    if not windows:
+        return
+    length = len(windows[0])
+    if any(len(w) != length for w in windows):
+        raise InputError("evaluation windows must all have the same length")
+    if length < 4:
+        raise InputError("an evaluation window needs at least 4 tokens")
+    if length > backend.max_seq_len:
+        raise InputError(f"windows of {length} tokens exceed the model's maximum length {backend.max_seq_len}")
+    rows = max(1, min(8, _LOGITS_BUDGET // (length * backend.vocab_size)))
+    for start in range(0, len(windows), rows):
+        batch = np.asarray(windows[start : start + rows], dtype=np.int64)
+        for logits in _score(backend, batch):
+            yield log_softmax(logits)
+
+
+def _score(backend, batch: np.ndarray) -> np.ndarray:
+    """Logits [n, S-1, V] predicting tokens 1..S-1 of each row: decode, prefill, decode on its cache."""
+    n, length = batch.shape
+    half = length // 2
+    head = backend.decode(backend.new_cache(n, length), batch[:, :half])[:, : half - 1].astype(np.float32)  # copy
+    cache = backend.new_cache(n, length)
+    handoff = backend.prefill(cache, list(range(n)), batch[:, :half].tolist())[:, None].astype(np.float32)
+    tail = backend.decode(cache, batch[:, half:])[:, :-1]  # the backend reuses this buffer: used right away
+    return np.concatenate([head, handoff, tail], axis=1)
+
+
+def perplexity(backend, windows: list[list[int]], progress: Callable[[int], None] = lambda n: None) -> Score:
+    score = Score()
+    for window, logprobs in zip(windows, window_logprobs(backend, windows)):
+        score.add(logprobs, np.asarray(window[1:]))
+        progress(1)
+    return score
+
+
+def agreement(reference, candidate, windows: list[list[int]], progress: Callable[[int], None] = lambda n: None) -> Agreement:
+    """Score two backends window by window (one window's logits of each in memory at a time)."""
+    result = Agreement()
+    for window in windows:
+        ref = next(iter(window_logprobs(reference, [window])))
+        cand = next(iter(window_logprobs(candidate, [window])))
+        result.add(ref, cand, np.asarray(window[1:]))
+        progress(1)
+    return result

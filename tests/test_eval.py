@@ -1,0 +1,133 @@
+"""``llmx eval`` and the text it reads: perplexity against transformers, agreement metrics,
+batched scoring, ``--data`` formats, the held-out split and the data hash."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from llmx.calibration.data import read_text_data, split_windows, token_windows
+from llmx.runtime.engine import Engine
+from llmx.runtime.evaluate import agreement, perplexity
+from test_cli import error_line, run
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eval") / "heldout.py"
+    path.write_text(inspect.getsource(textwrap))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(llama_artifact) -> Engine:
+    return Engine.load(llama_artifact, threads=1)
+
+
+def test_eval_json_matches_transformers(store, llama_artifact, engine, text_file, capsys):
+    import transformers
+
+    code, out, err = run(["eval", str(llama_artifact), "--data", str(text_file), "--json", "--seq-len", str(SEQ),
+                          "--samples", "3", "--threads", "1"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["windows"] == 3 and result["tokens"] == 3 * (SEQ - 1) and result["seq_len"] == SEQ
+    assert result["data_sha256"] == read_text_data(text_file).sha256
+    windows = token_windows(engine.tokenizer, read_text_data(text_file), SEQ)
+    picks = np.linspace(0, len(windows) - 1, 3).round().astype(int)
+    ids = torch.tensor([windows[i] for i in picks])
+    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint("llama")).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[:, :-1].double(), -1)
+    nll = -logprobs.gather(-1, ids[:, 1:, None]).mean().item()
+    assert result["perplexity"] == pytest.approx(np.exp(nll), rel=1e-4)
+
+
+def test_reference_against_itself_agrees_exactly(llama_artifact, text_file, capsys):
+    code, out, err = run(["eval", str(llama_artifact), "--data", str(text_file), "--json", "--seq-len", str(SEQ),
+                          "--samples", "2", "--reference", str(llama_artifact)], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["perplexity_ratio"] == pytest.approx(1.0, abs=1e-9) and result["top1_agreement"] == 1.0
+    assert abs(result["mean_kl"]) < 1e-6
+    code, out, _ = run(["eval", str(llama_artifact), "--data", str(text_file), "--seq-len", str(SEQ), "--samples", "2"], capsys)
+    assert code == 0 and out.startswith("perplexity ") and "2 windows" in out
+
+
+def test_batched_scoring_equals_one_window_at_a_time(engine, text_file):
+    windows = token_windows(engine.tokenizer, read_text_data(text_file), SEQ)[:5]
+    batched = perplexity(engine.backend, windows)  # several windows per decode call
+    single = agreement(engine.backend, engine.backend, windows).reference  # one at a time
+    assert batched.tokens == single.tokens == 5 * (SEQ - 1)
+    assert batched.nll == pytest.approx(single.nll, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--data", "/no/such/file.txt"], "does not exist"),
+        (["--seq-len", "4096"], "maximum length"),
+        (["--seq-len", "4"], "at least 8"),
+        (["--samples", "0"], "at least 1"),
+    ],
+)
+def test_eval_bad_input(llama_artifact, text_file, extra, words, capsys):
+    code, out, err = run(["eval", str(llama_artifact), "--data", str(text_file), *extra], capsys)
+    assert code != 0 and words in error_line(err) and out == ""
+
+
+def test_eval_on_text_too_short_for_one_window(llama_artifact, tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("x = 1\n")
+    code, _, err = run(["eval", str(llama_artifact), "--data", str(tmp_path / "short.txt")], capsys)
+    assert code != 0 and "gives no window of 256 tokens" in error_line(err)
+
+
+# -- --data: formats, split, hash -------------------------------------------------------------
+
+def test_jsonl_and_folder_give_the_same_windows(engine, tmp_path):
+    docs = [inspect.getsource(textwrap), inspect.getsource(argparse)[:20000]]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n\n" for i, d in enumerate(docs)))
+    folder = tmp_path / "folder"
+    (folder / "__pycache__").mkdir(parents=True)
+    (folder / "a.py").write_text(docs[0])
+    (folder / "b.py").write_text(docs[1])
+    (folder / ".hidden").write_bytes(b"\xff\xfe not text")  # skipped, like __pycache__
+    (folder / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\x00\xff")
+    from_jsonl = token_windows(engine.tokenizer, read_text_data(tmp_path / "data.jsonl"), SEQ)
+    from_folder = token_windows(engine.tokenizer, read_text_data(folder), SEQ)
+    assert from_jsonl == from_folder and len(from_jsonl) > 10
+    bos, eos = engine.tokenizer.bos_token_id, engine.tokenizer.eos_token_ids[0]
+    assert all(w[0] == bos and len(w) == SEQ for w in from_jsonl)
+    assert sum(w.count(eos) for w in from_jsonl) >= 1  # documents are joined by end-of-sequence
+
+
+def test_held_out_split_is_the_deterministic_tail():
+    windows = [[i] * 8 for i in range(50)]
+    split = split_windows(windows, 8, samples=7, eval_samples=100)
+    assert split.evaluation == windows[40:]  # the last 20 %
+    assert len(split.calibration) == 7 and split.calibration[0] == windows[0] and split.calibration[-1] == windows[39]
+    assert split_windows(windows, 8, samples=7, eval_samples=100) == split
+    with_eval = split_windows(windows, 8, samples=100, eval_samples=3, eval_windows=[[9] * 8] * 5)
+    assert with_eval.calibration == windows and len(with_eval.evaluation) == 3
+
+
+def test_data_hash_tracks_content_and_names(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "a.txt").write_text("alpha\n")
+    (folder / "b.txt").write_text("beta\n")
+    first = read_text_data(folder).sha256
+    assert read_text_data(folder).sha256 == first
+    (folder / "b.txt").write_text("beta!\n")
+    changed = read_text_data(folder).sha256
+    (folder / "b.txt").rename(folder / "c.txt")
+    assert len({first, changed, read_text_data(folder).sha256}) == 3
