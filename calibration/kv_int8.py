@@ -201,32 +201,38 @@ def kv_record(scales: list[np.ndarray], windows: list[list[int]]) -> dict:
             "scale_min": float(flat.min()), "scale_max": float(flat.max())}
 
 
-def kv_int8_manifest(manifest: Manifest, models: dict, scales: list[np.ndarray], windows: list[list[int]]) -> Manifest:
-    from llmx.onnx_files import describe_graph
+def calibrate_kv(src: Path, manifest: Manifest, windows: list[list[int]], threads: int | None = None) -> list[np.ndarray]:
+    """Scales for an int8 cache of artifact ``src``, from its own keys/values on ``windows``."""
+    from llmx.runtime.engine import make_backend
 
-    new = manifest.with_stage("kv-int8", windows=len(windows))
-    new.graphs = {name: describe_graph(models[name], spec.file, ops=spec.ops) for name, spec in manifest.graphs.items()}
-    new.kv = {**manifest.kv, "dtype": "int8", "quantization": kv_record(scales, windows)}
-    new.precision = {**manifest.precision, "kv_cache": "int8"}
-    return new
+    check_quantizable(manifest)
+    backend = make_backend(src, manifest, "ort-cpu", threads=threads)
+    return kv_scales(kv_absmax(backend, windows), rope=manifest.model.get("position") == "rope")
+
+
+def mark_kv_int8(manifest: Manifest, scales: list[np.ndarray], windows: list[list[int]]) -> None:
+    """Record the int8 cache in a new artifact's manifest (its graphs already describe int8 IO)."""
+    manifest.kv = {**manifest.kv, "dtype": "int8", "quantization": kv_record(scales, windows)}
+    manifest.precision = {**manifest.precision, "kv_cache": "int8"}
 
 
 def quantize_kv_artifact(src: str | Path, out: str | Path, windows: list[list[int]], threads: int | None = None,
                          force: bool = False) -> Manifest:
-    """A copy of artifact ``src`` at ``out`` whose KV cache is int8, calibrated on ``windows``."""
+    """A copy of artifact ``src`` at ``out`` whose KV cache is int8, calibrated on token ``windows``
+    (``llmx calibrate --kv-cache int8`` does the same from text, and reports the quality)."""
     from llmx.artifact import copy_tokenizer, finish, staged_artifact
     from llmx.manifest import load_manifest
-    from llmx.onnx_files import load_graph, save_graphs
-    from llmx.runtime.engine import make_backend
+    from llmx.onnx_files import describe_graph, load_graph, save_graphs
 
     src = Path(src)
     manifest = load_manifest(src)
-    check_quantizable(manifest)
-    backend = make_backend(src, manifest, "ort-cpu", threads=threads)
-    scales = kv_scales(kv_absmax(backend, windows), rope=manifest.model.get("position") == "rope")
+    scales = calibrate_kv(src, manifest, windows, threads)
     with staged_artifact(out, overwrite=force) as tmp:
         models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
         quantize_kv_graphs(models, manifest, scales)
         save_graphs(models, tmp, sources={name: src for name in models})
         copy_tokenizer(src, tmp)
-        return finish(tmp, kv_int8_manifest(manifest, models, scales, windows))
+        new = manifest.with_stage("kv-int8", windows=len(windows))
+        new.graphs = {name: describe_graph(models[name], spec.file, ops=spec.ops) for name, spec in manifest.graphs.items()}
+        mark_kv_int8(new, scales, windows)
+        return finish(tmp, new)

@@ -62,7 +62,7 @@ def _mib(n: int) -> str:
 
 def format_report(report: dict) -> str:
     ev, fp, q = report["evaluation"], report["fp32"], report["quantized"]
-    scheme = report["scheme"]
+    scheme = report.get("label") or report["scheme"]
     rows = [
         f"quality of {scheme} on {ev['source']}: {ev['windows']} windows x {ev['seq_len']} tokens "
         f"({report['tokens']} predictions)",

@@ -132,3 +132,68 @@ def test_refusals(pair, tmp_path):
     with pytest.raises(InputError, match="at least one window"):
         quantize_kv_artifact(fp32.artifact, tmp_path / "none", [])
     assert not (tmp_path / "none").exists()
+
+
+# -- through llmx calibrate ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    import argparse
+
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(inspect.getsource(argparse))
+    return path
+
+
+@pytest.mark.parametrize("scheme", [None, "w8"])
+def test_calibrate_kv_cache_int8_alone_or_with_a_scheme(store, calib_text, tmp_path, capsys, scheme):
+    from llmx.cli import main
+
+    out = tmp_path / "art"
+    args = ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--kv-cache", "int8", "-o", str(out),
+            "--samples", "4", "--seq-len", "32", "--eval-samples", "4", "--threads", "1", "--json"]
+    main(args + (["--scheme", scheme] if scheme else []))
+    report = json.loads(capsys.readouterr().out)
+    m = load_manifest(out)
+    assert report["label"] == ("w8+kv8" if scheme else "kv8") and report["kv_cache"] == "int8"
+    assert m.kv["dtype"] == "int8" and m.precision["kv_cache"] == "int8" and m.precision.get("scheme") == scheme
+    assert m.lineage[-1] == {"stage": "calibrate", "scheme": scheme, "kv_cache": "int8"}
+    assert report == m.extras["quality"] and report["top1_agreement"] > 0.9
+    if scheme is None:  # the cache is the only change: weights untouched, quality close to float32
+        assert report["perplexity_ratio"] == pytest.approx(1.0, abs=0.02)
+        assert m.graphs["decode"].ops == "portable"
+    engine = Engine.load(out, threads=1)
+    assert engine.backend.new_cache(1, 8).buffers[0].dtype == np.int8
+    assert len(engine.generate(["def main():"], SamplingParams(max_new_tokens=6, temperature=0))[0].output_ids) == 6
+
+
+def test_calibrate_needs_a_scheme_or_the_kv_cache(store, calib_text, tmp_path, capsys):
+    from llmx.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "-o", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert exc.value.code != 0 and "--scheme is required" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_real_weights_lose_almost_nothing_with_an_int8_cache(demo_artifact, tmp_path):
+    """The demo model (trained on the stdlib), calibrated on training modules, graded on two
+    of its held-out modules: perplexity within 1 % of the float32 cache."""
+    import argparse
+    import functools
+    import shutil
+    import string
+
+    from llmx.calibration import CalibrationOptions, calibrate_artifact
+
+    calib, held_out = tmp_path / "calib", tmp_path / "heldout"
+    calib.mkdir(), held_out.mkdir()
+    for module in (shutil, string, inspect):
+        (calib / f"{module.__name__}.py").write_text(inspect.getsource(module))
+    for module in (argparse, functools):
+        (held_out / f"{module.__name__}.py").write_text(inspect.getsource(module))
+    options = CalibrationOptions(scheme=None, kv_cache="int8", samples=16, seq_len=256, eval_samples=24, threads=1)
+    report = calibrate_artifact(demo_artifact, tmp_path / "q", calib, options, eval_data=held_out).extras["quality"]
+    assert report["fp32"]["perplexity"] < 60
+    assert report["perplexity_ratio"] <= 1.01 and report["top1_agreement"] > 0.95
