@@ -117,7 +117,8 @@ def write_quantized(src: Path, manifest: Manifest, tmp: Path, models: dict, weig
     new.precision = options.precision() if options.scheme else dict(manifest.precision)
     new.extras = {k: v for k, v in manifest.extras.items() if k != "verify"}
     if options.scheme == "w8a8":
-        new.extras["tensorrt"] = _tensorrt_tables(tmp, models, options.method)
+        # Under "calibration", not "tensorrt": that key is `llmx build`'s record of built engines.
+        new.extras["calibration"] = _tensorrt_tables(tmp, models, options.method)
     return new
 
 
@@ -130,5 +131,5 @@ def _tensorrt_tables(tmp: Path, models: dict, method: str) -> dict:
         folder = Path("tensorrt") / name
         files = write_tables(tmp / folder, activation_scales(model, tmp), method)
         tables[name] = [(folder / f).as_posix() for f in files]
-    return {"calibration_tables": tables, "trt_version_header": TRT_VERSION,
+    return {"tensorrt_tables": tables, "trt_version_header": TRT_VERSION,
             "note": "keys are the tensors feeding QuantizeLinear nodes; scales equal the Q/DQ scales"}

@@ -312,6 +312,22 @@ def test_qdq_graph_is_what_tensorrt_reads(quantized):
     assert not quantized_outputs & {n.output[0] for n in model.graph.node if n.op_type == "MatMul"}
 
 
+def test_llmx_build_plans_int8_from_the_calibrated_qdq_graphs(quantized, capsys):
+    """The calibrate -> build contract: a w8a8 artifact builds INT8 engines from its Q/DQ nodes,
+    and is not mistaken for an artifact that already has engines."""
+    from llmx.cli import main
+    from llmx.optimize.tensorrt import plan_build
+
+    art = quantized("w8a8-entropy-smoothquant")
+    plan = plan_build(art)
+    assert (plan.precision, plan.int8_source, plan.strongly_typed) == ("int8", "qdq", True)
+    assert "tensorrt" not in load_manifest(art).extras  # that key is `llmx build`'s engine record
+    with pytest.raises(SystemExit):
+        main(["generate", str(art), "x", "--backend", "tensorrt"])
+    err = capsys.readouterr().err
+    assert "has no TensorRT engines" in err
+
+
 def test_tensorrt_tables_hold_the_qdq_scales(quantized):
     from onnxruntime.quantization.CalTableFlatBuffers.TrtTable import TrtTable
 
@@ -322,7 +338,7 @@ def test_tensorrt_tables_hold_the_qdq_scales(quantized):
     manifest = load_manifest(art)
     for graph in ("prefill", "decode"):
         folder = art / "tensorrt" / graph
-        assert sorted(manifest.extras["tensorrt"]["calibration_tables"][graph]) == sorted(
+        assert sorted(manifest.extras["calibration"]["tensorrt_tables"][graph]) == sorted(
             f"tensorrt/{graph}/{f.name}" for f in folder.iterdir())
         scales = activation_scales(onnx.load_model(str(art / f"{graph}.onnx"), load_external_data=False), art)
         header, cached = read_trt_cache((folder / "trt10.cache").read_text())
