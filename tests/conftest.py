@@ -73,6 +73,17 @@ def llama_artifact(store) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_artifact(tmp_path_factory) -> Path:
+    """The built-in demo model (real weights, trained on the stdlib), exported once per session."""
+    import llmx
+    from llmx.export import export_checkpoint
+
+    out = tmp_path_factory.mktemp("demo") / "art"
+    export_checkpoint(Path(llmx.__file__).parent / "demo_model", out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def llama_engine(llama_artifact):
     from llmx.runtime.engine import Engine
 
