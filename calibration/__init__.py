@@ -90,8 +90,17 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
     src = Path(src)
     manifest = load_manifest(src)
     check_unquantized(src, manifest)
-    split, data_record = load_windows(src, manifest, data, eval_data, options)
-    log(f"{options.label}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
+    encoder = manifest.kind == "encoder"
+    if encoder:
+        from llmx.calibration.encoder import load_sentences, measure_embeddings
+
+        if options.kv_cache != "float32":
+            raise InputError("--kv-cache applies to decoders; an encoder has no KV cache")
+        split, data_record = load_sentences(src, manifest, data, eval_data, options)
+        log(f"{options.label}: calibrating on {len(split.calibration)} sentences from {data}")
+    else:
+        split, data_record = load_windows(src, manifest, data, eval_data, options)
+        log(f"{options.label}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
     with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-calibrate-") as work:
         models, weights_dir, record = pipeline.quantize_graphs(src, manifest, split.calibration, options, Path(work),
                                                                progress)
@@ -105,12 +114,14 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
         if options.kv_cache == "int8":
             kv_int8.mark_kv_int8(new, scales, split.calibration)
         new.precision["data"] = data_record
-        log(f"measuring quality on {len(split.evaluation)} held-out windows")
+        unit = "sentences" if encoder else "windows"
+        log(f"measuring quality on {len(split.evaluation)} held-out {unit}")
         with progress("evaluating", len(split.evaluation)) as bar:
-            measured = measure(src, tmp, new, split.evaluation, options.threads, bar.update)
+            score = measure_embeddings if encoder else measure
+            measured = score(src, tmp, new, split.evaluation, options.threads, bar.update)
         source = str(eval_data) if eval_data else f"held-out tail of {data}"
         report = {"scheme": options.scheme, "label": options.label, "kv_cache": options.kv_cache, "options": asdict(options),
-                  "evaluation": {"source": source, "windows": len(split.evaluation), "seq_len": split.seq_len},
+                  "evaluation": {"source": source, unit: len(split.evaluation), "seq_len": split.seq_len},
                   **measured}
         write_report(tmp, report)
         new.extras["quality"] = report
@@ -143,8 +154,6 @@ def check_unquantized(src: Path, manifest: Manifest) -> None:
     from llmx.calibration.matmuls import is_quantized
     from llmx.onnx_files import load_graph
 
-    if manifest.kind != "decoder":
-        raise ArtifactError(f"{src} holds a {manifest.kind} model; calibration needs a decoder artifact")
     scheme = manifest.precision.get("scheme")
     if scheme or any(is_quantized(load_graph(src / g.file)) for g in manifest.graphs.values()):
         raise ArtifactError(f"{src} is already quantized ({scheme or 'quantized ops in its graphs'}); "

@@ -54,7 +54,12 @@ def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], opt
     paths = {name: fp32 / f"{name}.onnx" for name in models}
     if options.scheme != "w8a8":
         return weight_only_graphs(paths, options), None, {}
-    feeds = Feeds(src, manifest, windows, options.threads)
+    if manifest.kind == "encoder":
+        from llmx.calibration.encoder import EncoderFeeds
+
+        feeds = EncoderFeeds(windows)  # sentences, for the one `embed` graph
+    else:
+        feeds = Feeds(src, manifest, windows, options.threads)
     record = {}
     if options.smoothquant is not None:
         paths, record["smoothquant"] = smooth_graphs(paths, feeds, options, work / "smooth", progress)

@@ -63,6 +63,13 @@ def _mib(n: int) -> str:
 def format_report(report: dict) -> str:
     ev, fp, q = report["evaluation"], report["fp32"], report["quantized"]
     scheme = report.get("label") or report["scheme"]
+    if report.get("kind") == "encoder":
+        rows = [
+            f"quality of {scheme} on {ev['source']}: {ev['sentences']} sentences",
+            f"  cosine to fp32 embeddings: mean {report['cosine_mean']:.5f}, min {report['cosine_min']:.5f}, "
+            f"5th percentile {report['cosine_p5']:.5f}",
+        ]
+        return "\n".join(rows + _size_rows(fp, q, scheme))
     rows = [
         f"quality of {scheme} on {ev['source']}: {ev['windows']} windows x {ev['seq_len']} tokens "
         f"({report['tokens']} predictions)",
@@ -71,7 +78,12 @@ def format_report(report: dict) -> str:
         f"  {'top-1 agreement':18}{'':>12}{report['top1_agreement']:>11.2%}",
         f"  {'mean KL (nats)':18}{'':>12}{report['mean_kl']:>12.5f}",
     ]
+    return "\n".join(rows + _size_rows(fp, q, scheme))
+
+
+def _size_rows(fp: dict, q: dict, scheme: str) -> list[str]:
+    rows = [f"  {'graph size':18}{'fp32':>12}{scheme:>12}{'change':>10}"]
     for name, size in fp["graph_bytes"].items():
         new = q["graph_bytes"].get(name, 0)
-        rows.append(f"  {name + ' graph':18}{_mib(size):>12}{_mib(new):>12}{new / size:>9.2f}x")
-    return "\n".join(rows)
+        rows.append(f"  {name:18}{_mib(size):>12}{_mib(new):>12}{new / size:>9.2f}x")
+    return rows

@@ -10,12 +10,10 @@ pace (lowering it if the shared machine slows down); MODEL_CARD.md records what 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
 import platform
-import sysconfig
 import time
 from pathlib import Path
 
@@ -24,27 +22,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from demo_data import EXCLUDED_DIRS, HELD_OUT_PERCENT, stdlib_files  # noqa: E402  (this script's folder is on sys.path)
+
 EOT, PAD = "<|endoftext|>", "<|pad|>"  # ids 0 and 1; EOT is BOS and EOS, as in GPT-2
-# Not ordinary code: tests, IDLE, installed packages, charmap tables, pydoc's topic dump.
-EXCLUDED_DIRS = {"test", "tests", "idle_test", "idlelib", "site-packages", "encodings", "pydoc_data", "__pycache__"}
-HELD_OUT_PERCENT = 4
 MODEL = dict(hidden_size=256, intermediate_size=576, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-
-
-def stdlib_files() -> tuple[Path, list[str], list[str]]:
-    """(stdlib root, training files, held-out files) as sorted posix paths relative to the root.
-    Held out: a hash of the path, not a random draw, so the split does not depend on which files exist."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held = [], []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        parts = rel.split("/")
-        if EXCLUDED_DIRS & set(parts[:-1]) or parts[0].startswith("config-") or parts[-1].startswith("_sysconfigdata"):
-            continue
-        held_out = int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100 < HELD_OUT_PERCENT
-        (held if held_out else train).append(rel)
-    return root, train, held
 
 
 def read_texts(root: Path, rels: list[str]) -> list[str]:

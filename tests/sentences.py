@@ -63,3 +63,36 @@ RANKING = [
     ("How to make dough", ["Mix the flour with an egg to make the dough.", "The recipe calls for two cups of flour and one egg.",
                            "The spacecraft entered orbit around Mars."]),
 ]
+
+
+def docstring_sentences(limit: int = 400) -> list[str]:
+    """Stdlib docstrings as calibration inputs: real English, on every machine, no download.
+
+    First paragraphs give sentences; every fourth docstring also goes in whole (flattened to one
+    line, up to the model's 256-token limit), so calibration sees long inputs too: ranges set on
+    short sentences alone clip what long inputs produce.
+    """
+    import argparse
+    import collections
+    import http.client
+    import inspect
+    import json
+    import logging
+    import pathlib
+    import shutil
+    import subprocess
+    import textwrap
+
+    seen: list[str] = []
+    for module in (textwrap, json, argparse, collections, http.client, logging, pathlib, shutil, subprocess):
+        for name, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj)
+            if not doc or name.startswith("_"):
+                continue
+            first = doc.strip().split("\n\n")[0].replace("\n", " ")
+            if 20 < len(first) < 300 and first not in seen:
+                seen.append(first)
+                whole = " ".join(doc.split())
+                if len(seen) % 4 == 0 and len(whole) > 400:
+                    seen.append(whole[:1500])
+    return seen[:limit]
