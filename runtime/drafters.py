@@ -42,13 +42,17 @@ class NgramDrafter:
         return [Draft(self.lookup(np.asarray(context_ids(s), dtype=np.int64), k) if k > 0 else []) for s, k in zip(seqs, limits)]
 
     def lookup(self, ids: np.ndarray, k: int) -> list[int]:
-        """The ``k`` tokens after the latest earlier match of the longest matching suffix."""
+        """The ``k`` tokens after the latest earlier match of the longest matching suffix.
+
+        A match ``p`` tokens back says the text repeats with period ``p``; when the tokens after
+        the match run out (they reach the end of the context), the draft keeps repeating them,
+        so a loop or a repeated line is drafted ``k`` tokens at a time, not one."""
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             windows = sliding_window_view(ids[:-1], n)  # every n-gram but the suffix itself
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
-                return ids[start : start + k].tolist()
+                follow = ids[int(hits[-1]) + n :]  # non-empty: the match ends before the suffix
+                return np.resize(follow, k).tolist() if len(follow) < k else follow[:k].tolist()
         return []
 
     # A lookup drafter has no per-row state.

@@ -35,7 +35,6 @@ class PrefixCache:
         self.max_bytes, self.block = max_bytes, block
         self._blocks: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()  # least recently used first
         self.nbytes = 0
-        self.hit_tokens = 0  # prompt tokens served from the cache
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -63,9 +62,7 @@ class PrefixCache:
         self._refresh(found)
         parts = [self._blocks[k] for k in found]
         entries = [np.concatenate([p[b] for p in parts], axis=1) for b in range(len(parts[0]))]
-        cached = len(found) * self.block
-        self.hit_tokens += cached
-        return cached, entries
+        return len(found) * self.block, entries
 
     def insert(self, tokens: list[int], cache, row: int) -> int:
         """Keep the KV of every full block of ``tokens`` (whose KV fills row ``row`` of

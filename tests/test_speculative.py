@@ -228,7 +228,8 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     lookup = NgramDrafter(3, max_ngram=3, min_ngram=1).lookup
     assert lookup(np.array([5, 6, 7, 8, 1, 5, 6, 7, 9, 2, 6, 7]), 3) == [9, 2, 6]  # 2-gram (6, 7), latest
     assert lookup(np.array([1, 2, 3, 4]), 3) == []
-    assert lookup(np.array([4, 1, 2, 4]), 5) == [1, 2, 4]  # runs to the end of the context
+    assert lookup(np.array([4, 1, 2, 4]), 5) == [1, 2, 4, 1, 2]  # past the context's end: the period repeats
+    assert lookup(np.array([3, 7, 7, 7]), 4) == [7, 7, 7, 7]
 
 
 def test_cli_reports_acceptance_and_matches_plain_greedy(llama_artifact, capsys):
