@@ -132,7 +132,14 @@ class OrtBackend:
     def decode(self, cache: KVCache, input_ids: np.ndarray) -> np.ndarray:
         """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
         n, t = input_ids.shape
-        lengths = cache.lengths[:n]
+        if n > 1 and t > 1 and self.manifest.graphs["decode"].ops == "onnxruntime":
+            # GroupQueryAttention takes several new tokens per call only for a batch of one.
+            return np.stack([self._decode(cache, input_ids[r : r + 1], r)[0].copy() for r in range(n)])
+        return self._decode(cache, input_ids, 0)
+
+    def _decode(self, cache: KVCache, input_ids: np.ndarray, first_row: int) -> np.ndarray:
+        n, t = input_ids.shape
+        lengths = cache.lengths[first_row : first_row + n]
         total = int(lengths.max()) + t
         cache.ensure_capacity(total)
         positions = lengths[:, None] + np.arange(t, dtype=np.int64)[None]
@@ -143,12 +150,12 @@ class OrtBackend:
         b.bind_cpu_input("attention_mask", mask)
         shape = (n, self.kv_heads, cache.capacity, self.head_dim)
         for past, present, buf in zip(self.past_names, self.present_names, cache.buffers):
-            ptr = buf.ctypes.data  # rows 0..n-1 are the first n * row_size elements
+            ptr = buf.ctypes.data + first_row * buf[0].nbytes  # rows first_row.. are contiguous
             b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
             b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
         if self._logits is None or self._logits.shape != (n, t, self.vocab_size):
             self._logits = np.empty((n, t, self.vocab_size), np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, self._logits.shape, self._logits.ctypes.data)
         self.sessions["decode"].run_with_iobinding(b)
-        cache.lengths[:n] += t
+        cache.lengths[first_row : first_row + n] += t
         return self._logits
