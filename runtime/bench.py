@@ -118,14 +118,14 @@ def bench(backend, tokenizer, prompt_len: int = 128, new_tokens: int = 128, batc
         new_tokens=new_tokens,
         batch=batch,
         repeat=repeat,
-        ttft_ms=round(ttft, 3),
-        tpot_ms=round(med("tpot_ms"), 3),
+        ttft_ms=round(ttft, 4),
+        tpot_ms=round(med("tpot_ms"), 4),
         tpot_p50_ms=round(float(np.percentile(all_steps, 50)), 3),
         tpot_p90_ms=round(float(np.percentile(all_steps, 90)), 3),
         prefill_tokens_per_s=round(batch * prompt_len / (ttft / 1e3), 2),
         decode_tokens_per_s=round(med("decode_tokens_per_s"), 2),
         peak_rss_mb=round(peak_rss_mb(), 1),
-        runs=[{k: round(v, 3) for k, v in r.items()} for r in per_run],
+        runs=[{k: round(v, 4) for k, v in r.items()} for r in per_run],
     )
 
 
