@@ -30,6 +30,7 @@ from llmx.runtime.sequence import Sequence
 class RunTimes:
     ttft_s: float
     steps_s: list[float]  # one entry per decode step after the first token
+    token_ids: list[int]  # row 0's output
 
 
 @dataclass
@@ -46,6 +47,7 @@ class BenchResult:
     decode_tokens_per_s: float
     peak_rss_mb: float
     runs: list[dict]  # per timed run: ttft_ms, tpot_ms, decode_tokens_per_s
+    token_ids: list[int]  # what row 0 generated in the last run (to compare engines' outputs)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,7 +84,7 @@ def run_once(backend, tokenizer, prompts: list[list[int]], new_tokens: int) -> R
         steps.append(time.perf_counter() - t0)
     if any(len(s.output_ids) != new_tokens for s in seqs):
         raise RuntimeError("a benchmark sequence stopped early")  # cannot happen with ignore_eos
-    return RunTimes(ttft, steps)
+    return RunTimes(ttft, steps, seqs[0].output_ids)
 
 
 def peak_rss_mb() -> float:
@@ -126,27 +128,22 @@ def bench(backend, tokenizer, prompt_len: int = 128, new_tokens: int = 128, batc
         decode_tokens_per_s=round(med("decode_tokens_per_s"), 2),
         peak_rss_mb=round(peak_rss_mb(), 1),
         runs=[{k: round(v, 4) for k, v in r.items()} for r in per_run],
+        token_ids=runs[-1].token_ids,
     )
 
 
-def decode_step_ms(backend, context: int, steps: int = 16, batch: int = 1) -> float:
-    """Median time of one decode step (graph call only) with ``context`` tokens already cached."""
-    check_sizes(backend, context, steps, batch)
-    cache = backend.new_cache(batch, context + steps)
-    prompts = [prompt_ids(context, int(backend.vocab_size), row) for row in range(batch)]
-    backend.prefill(cache, list(range(batch)), prompts)
-    ids = np.full((batch, 1), 9, dtype=np.int64)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        backend.decode(cache, ids)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:] if steps > 2 else times)) * 1e3
+def decode_step_ms(backend, tokenizer, context: int, steps: int = 16, batch: int = 1) -> float:
+    """Median decode step (as in ``bench``: graph call, greedy choice, detokenization) at ``context`` cached tokens."""
+    check_sizes(backend, context, steps + 1, batch)
+    vocab = min(int(backend.vocab_size), tokenizer.vocab_size)
+    prompts = [prompt_ids(context, vocab, row) for row in range(batch)]
+    times = run_once(backend, tokenizer, prompts, steps + 1).steps_s
+    return float(np.median(times)) * 1e3
 
 
-def context_sweep(backend, contexts: list[int], steps: int = 16, batch: int = 1) -> dict[int, float]:
+def context_sweep(backend, tokenizer, contexts: list[int], steps: int = 16, batch: int = 1) -> dict[int, float]:
     """Decode step time (ms) at each context length; the first is measured twice (warm-up)."""
     if not contexts:
         raise InputError("the context sweep needs at least one context length")
-    decode_step_ms(backend, contexts[0], steps, batch)
-    return {c: round(decode_step_ms(backend, c, steps, batch), 3) for c in contexts}
+    decode_step_ms(backend, tokenizer, contexts[0], steps, batch)
+    return {c: round(decode_step_ms(backend, tokenizer, c, steps, batch), 4) for c in contexts}

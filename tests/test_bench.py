@@ -45,7 +45,7 @@ def test_bench_text_report_and_context_sweep(llama_artifact, capsys):
 
 
 def test_context_sweep_times_each_length(llama_engine):
-    sweep = context_sweep(llama_engine.backend, [16, 48], steps=4)
+    sweep = context_sweep(llama_engine.backend, llama_engine.tokenizer, [16, 48], steps=4)
     assert list(sweep) == [16, 48] and all(ms > 0 for ms in sweep.values())
 
 

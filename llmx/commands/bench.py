@@ -46,7 +46,7 @@ def register(cli: click.Group) -> None:
         result.update(artifact=str(artifact), backend=backend, threads=threads,
                       optimized=bool(engine.manifest.stage_applied("optimize")))
         if contexts:
-            sweep = context_sweep(engine.backend, contexts, batch=batch)
+            sweep = context_sweep(engine.backend, engine.tokenizer, contexts, batch=batch)
             result["decode_step_ms_by_context"] = {str(c): ms for c, ms in sweep.items()}
             result["step_ratio_last_vs_first"] = round(sweep[contexts[-1]] / sweep[contexts[0]], 3)
         if as_json:
