@@ -8,6 +8,7 @@ stay below 1e-6 against the portable graphs, which ``test_matches_portable_artif
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -215,8 +216,6 @@ def test_refuses_unknown_options_and_existing_output(store, tmp_path, capsys):
 
 
 def test_refuses_a_quantized_source(store, tmp_path, capsys):
-    import shutil
-
     src = tmp_path / "int8"
     shutil.copytree(store.artifact("llama"), src)
     manifest = json.loads((src / "llmx.json").read_text())
@@ -225,3 +224,14 @@ def test_refuses_a_quantized_source(store, tmp_path, capsys):
     code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
     assert code != 0 and "before calibrate" in error_line(err)
     assert leftovers(tmp_path) == ["int8"]
+
+
+def test_refuses_head_dim_the_fused_attention_cannot_take(store, tmp_path, capsys):
+    src = tmp_path / "odd"
+    shutil.copytree(store.artifact("llama"), src)
+    manifest = json.loads((src / "llmx.json").read_text())
+    manifest["model"]["head_dim"] = 8
+    (src / "llmx.json").write_text(json.dumps(manifest))
+    code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
+    assert code != 0 and "multiple of 16" in error_line(err)
+    assert leftovers(tmp_path) == ["odd"]
