@@ -1,33 +1,32 @@
 """llmx against onnxruntime-genai, transformers eager and llama.cpp on one CPU, side by side.
 
-    python benchmarks/compare_cpu.py [--rounds 2] [--engines llmx,genai,transformers,llamacpp]
+    python benchmarks/compare_cpu.py [--rounds 5] [--engines llmx,genai,genai-1t,transformers,llamacpp,llmx-portable]
 
 Builds (once, cached in benchmarks/.cache/) a SmolLM-135M-shaped Llama checkpoint with random
 weights, exports and optimizes it with llmx, builds the onnxruntime-genai fp32 model and the
-llama.cpp f32 GGUF from the same checkpoint, then runs every engine in its own process (clean
-peak RSS) on the same prompt token ids: greedy, EOS ignored, warm-up, ``--repeat`` runs.
-Engines take turns in ``--rounds`` rounds (order rotated) so that load from other processes
-falls on all of them; ratios are taken within a round and the medians reported.
+llama.cpp f32 GGUF from the same checkpoint. Every engine then runs in its own process (its
+own peak RSS), all loaded at once and taking turns run by run, so that the background load of
+a shared machine falls on all of them alike: after a warm-up, ``--rounds`` greedy generations
+each of the same prompt token ids (EOS ignored), then a decode-step sweep over context lengths.
+Ratios to onnxruntime-genai are taken within each round, then the median is reported.
+Finally ``llmx bench --json`` runs on the optimized artifact (the command users run).
 
 Writes benchmarks/results/cpu_<date>.{json,md,png}: the markdown table (absolute numbers and
-ratios to onnxruntime-genai) and the plot of decode tok/s against context length.
-The peers live in their own venv (``benchmarks/setup_peers.sh``): onnxruntime-genai pins its own
-onnxruntime, and is never a dependency of llmx.
+ratios) and the plot of decode tok/s against context length. The peers live in their own
+venv (``benchmarks/setup_peers.sh``); onnxruntime-genai is never a dependency of llmx.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from peers import PEERS_PYTHON, build_genai, build_gguf, has_module  # noqa: E402
@@ -36,95 +35,83 @@ from smollm_shape import SMOLLM_135M, build_checkpoint  # noqa: E402
 
 LLMX = str(Path(sys.executable).with_name("llmx"))
 BASELINE = "genai"
+# engine name -> (worker kind, which model, python to run it with, extra worker arguments)
+ENGINES = {
+    "llmx": ("llmx", "art-opt", sys.executable, []),
+    "llmx-portable": ("llmx", "art", sys.executable, []),
+    "llmx-spin": ("llmx", "art-opt", sys.executable, ["--spin"]),
+    "llmx-nospin": ("llmx", "art-opt", sys.executable, ["--no-spin"]),
+    "genai": ("genai", "genai", PEERS_PYTHON, []),
+    "genai-1t": ("genai", "genai", PEERS_PYTHON, ["--threads", "1"]),
+    "transformers": ("transformers", "ckpt", sys.executable, []),
+    "llamacpp": ("llamacpp", "gguf", PEERS_PYTHON, []),
+}
 
 
-def prepare(cache: Path, engines: list[str], log) -> dict[str, str]:
-    """Model paths per engine, building what is missing."""
+def prepare(cache: Path, engines: list[str], log) -> dict[str, Path]:
+    """Model paths by kind, building what is missing."""
     ckpt = build_checkpoint(cache / "ckpt")
-    paths = {"transformers": str(ckpt)}
-    art, opt = cache / "art", cache / "art-opt"
-    if any(e.startswith("llmx") for e in engines):
-        if not (art / "llmx.json").is_file():
-            log("llmx export")
-            subprocess.run([LLMX, "export", str(ckpt), "-o", str(art)], check=True)
-        if not (opt / "llmx.json").is_file():
-            log("llmx optimize")
-            subprocess.run([LLMX, "optimize", str(art), "-o", str(opt)], check=True)
-        paths.update({"llmx": str(opt), "llmx-portable": str(art)})
-    if "genai" in engines:
-        paths["genai"] = str(build_genai(ckpt, cache / "genai-fp32", log))
+    paths = {"ckpt": ckpt, "art": cache / "art", "art-opt": cache / "art-opt"}
+    if not (paths["art"] / "llmx.json").is_file():
+        log("llmx export")
+        subprocess.run([LLMX, "export", str(ckpt), "-o", str(paths["art"])], check=True)
+    if not (paths["art-opt"] / "llmx.json").is_file():
+        log("llmx optimize")
+        subprocess.run([LLMX, "optimize", str(paths["art"]), "-o", str(paths["art-opt"])], check=True)
+    if any(ENGINES[e][0] == "genai" for e in engines):
+        paths["genai"] = build_genai(ckpt, cache / "genai-fp32", log)
     if "llamacpp" in engines:
-        paths["llamacpp"] = str(build_gguf(ckpt, cache / "smollm-f32.gguf", log))
+        paths["gguf"] = build_gguf(ckpt, cache / "smollm-f32.gguf", log)
     return paths
 
 
-def command(engine: str, model: str, prompt_file: Path, args, contexts: list[int], sweep: bool) -> list[str]:
-    threads = args.llmx_threads if engine.startswith("llmx") else args.peer_threads
-    if engine.startswith("llmx"):
-        cmd = [LLMX, "bench", model, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-               "--repeat", str(args.repeat), "--json"]
-        cmd += ["--context", ",".join(map(str, contexts))] if sweep else []
-    else:
-        python = sys.executable if engine == "transformers" else str(PEERS_PYTHON)
-        cmd = [python, str(HERE / "engines.py"), engine, model, "--prompt", str(prompt_file),
-               "--new-tokens", str(args.new_tokens), "--repeat", str(args.repeat)]
-        cmd += ["--contexts"] if sweep else []
-    return cmd + (["--threads", str(threads)] if threads else [])
+class Worker:
+    """An engine process answering one JSON line per command (benchmarks/engines.py)."""
+
+    def __init__(self, name: str, paths: dict[str, Path], prompt_file: Path):
+        kind, model, python, extra = ENGINES[name]
+        cmd = [str(python), str(HERE / "engines.py"), kind, str(paths[model]), "--prompt", str(prompt_file), *extra]
+        self.name = name
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} worker exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
-def run_engine(cmd: list[str], timeout: float) -> dict:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="llmx,genai,transformers,llamacpp,llmx-portable")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--contexts", default="64,128,256,512,1024")
-    ap.add_argument("--llmx-threads", type=int, default=None, help="default: llmx's own default")
-    ap.add_argument("--peer-threads", type=int, default=None, help="default: each peer's own default")
-    ap.add_argument("--cache", type=Path, default=HERE / ".cache")
-    ap.add_argument("--out", type=Path, default=HERE / "results")
-    args = ap.parse_args()
-    log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
-
-    engines = [e for e in args.engines.split(",") if e]
-    if "genai" in engines and not has_module("onnxruntime_genai"):
-        sys.exit("onnxruntime-genai is not installed in the peers venv: run benchmarks/setup_peers.sh")
-    if "llamacpp" in engines and not has_module("llama_cpp"):
-        log("llama-cpp-python is not installed in the peers venv; skipping llama.cpp")
-        engines.remove("llamacpp")
-    contexts = [int(c) for c in args.contexts.split(",")]
-    paths = prepare(args.cache, engines, log)
-    prompt_file = write_prompts(args.cache / "prompts.json", args.prompt_len, contexts)
-
-    results: dict[str, list[dict]] = {e: [] for e in engines}
-    started = time.time()
+def measure(workers: list[Worker], args, log) -> dict[str, dict]:
+    results = {w.name: {"runs": [], "load_s": w.ready["load_s"]} for w in workers}
+    for w in workers:
+        log(f"warm-up: {w.name}")
+        w.ask(f"run {args.new_tokens}")
     for rnd in range(args.rounds):
-        order = engines[rnd % len(engines):] + engines[: rnd % len(engines)]
-        for engine in order:
-            log(f"round {rnd + 1}/{args.rounds}: {engine}")
-            results[engine].append(run_engine(command(engine, paths[engine], prompt_file, args, contexts, rnd == 0), 900))
-    meta = {
-        "model": {k: SMOLLM_135M[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                              "num_key_value_heads", "intermediate_size", "vocab_size")},
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": 1, "repeat": args.repeat,
-        "rounds": args.rounds, "contexts": contexts, "baseline": BASELINE, "wall_s": round(time.time() - started),
-        "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m_at_end": round(__import__("os").getloadavg()[0], 2),
-    }
-    paths_out = write_report(results, meta, args.out)
-    print(paths_out["md"].read_text())
-    log(f"wrote {', '.join(str(p) for p in paths_out.values())}")
+        shift = rnd % len(workers)
+        for w in workers[shift:] + workers[:shift]:
+            results[w.name]["runs"].append(w.ask(f"run {args.new_tokens}"))
+        log(f"round {rnd + 1}/{args.rounds} done")
+    for i, context in enumerate(args.contexts.split(",")):
+        log(f"context sweep: {context} tokens")
+        for w in workers[i % len(workers):] + workers[: i % len(workers)]:
+            results[w.name].setdefault("sweep", {})[context] = w.ask(f"sweep {context} {args.sweep_steps}")["step_ms"]
+    for w in workers:
+        results[w.name]["peak_rss_mb"] = w.ask("rss")["peak_rss_mb"]
+    return results
 
 
 def write_prompts(path: Path, prompt_len: int, contexts: list[int]) -> Path:
-    """The prompt ids every engine gets: the same ones ``llmx bench`` makes (llmx.runtime.bench.prompt_ids)."""
+    """The prompt ids every engine gets: the ones ``llmx bench`` makes (llmx.runtime.bench.prompt_ids)."""
     from llmx.runtime.bench import prompt_ids
 
     vocab = SMOLLM_135M["vocab_size"]
@@ -134,6 +121,64 @@ def write_prompts(path: Path, prompt_len: int, contexts: list[int]) -> Path:
     return path
 
 
+def llmx_bench_cli(artifact: Path, args) -> dict:
+    """What a user runs: ``llmx bench ART --prompt-len 128 --new-tokens 128 --batch 1 --json``."""
+    cmd = [LLMX, "bench", str(artifact), "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--batch", "1", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return {"command": " ".join(["llmx", *cmd[1:]]), **json.loads(out.stdout)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="llmx,genai,genai-1t,transformers,llamacpp,llmx-portable")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--contexts", default="64,128,256,512,1024")
+    ap.add_argument("--sweep-steps", type=int, default=16)
+    ap.add_argument("--cache", type=Path, default=HERE / ".cache")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        sys.exit(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
+    if any(ENGINES[e][0] == "genai" for e in engines) and not has_module("onnxruntime_genai"):
+        sys.exit("onnxruntime-genai is not installed in the peers venv: run benchmarks/setup_peers.sh")
+    if "llamacpp" in engines and not has_module("llama_cpp"):
+        log("llama-cpp-python is not installed in the peers venv; leaving llama.cpp out")
+        engines.remove("llamacpp")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    paths = prepare(args.cache, engines, log)
+    prompt_file = write_prompts(args.cache / "prompts.json", args.prompt_len, contexts)
+
+    load_start = round(os.getloadavg()[0], 2)
+    started = time.time()
+    workers = []
+    try:
+        for name in engines:
+            log(f"loading {name}")
+            workers.append(Worker(name, paths, prompt_file))
+        results = measure(workers, args, log)
+    finally:
+        for w in workers:
+            w.close()
+    cli = llmx_bench_cli(paths["art-opt"], args)
+    meta = {
+        "model": {k: SMOLLM_135M[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                              "num_key_value_heads", "intermediate_size", "vocab_size")},
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": 1, "rounds": args.rounds,
+        "contexts": contexts, "baseline": BASELINE, "wall_s": round(time.time() - started),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m_at_start": load_start,
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "llmx_bench_cli": cli,
+    }
+    out = write_report(results, meta, args.out)
+    print(out["md"].read_text())
+    log(f"wrote {', '.join(str(p) for p in out.values())}")
+
+
 if __name__ == "__main__":
-    np.set_printoptions(precision=3)
     main()

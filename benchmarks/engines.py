@@ -1,12 +1,20 @@
-"""One benchmark peer in its own process: load it, generate greedily, print one JSON report.
+"""One benchmark engine in its own process, driven line by line over stdin/stdout.
 
-    python benchmarks/engines.py ENGINE MODEL --prompt FILE --new-tokens 128 --repeat 3 [--contexts 64,...]
+    python benchmarks/engines.py ENGINE MODEL --prompt FILE [--threads N] [--no-spin]
 
-ENGINE is ``genai`` (onnxruntime-genai), ``transformers`` (eager PyTorch) or ``llamacpp``
-(llama-cpp-python). Every engine gets the same prompt token ids (from FILE), decodes greedily
-and ignores EOS, and is timed the way ``llmx bench`` times llmx: TTFT = prompt in, first token
-out; each later token is one step. Runs under whichever venv has the engine installed (the
-peers live in their own venv so that onnxruntime-genai's pinned onnxruntime never meets llmx's).
+ENGINE is ``llmx`` (an llmx artifact, timed with the code ``llmx bench`` runs), ``genai``
+(onnxruntime-genai), ``transformers`` (eager PyTorch) or ``llamacpp`` (llama-cpp-python).
+The process loads its model, prints ``{"ready": ...}``, then answers one JSON line per command:
+
+    run N       one greedy generation of N tokens: {"ttft_s", "steps_s", "token_ids"}
+    sweep C N   a decode step's median time (ms) over N steps after FILE's context prompt C
+    rss         peak resident memory of this process (MB)
+
+Keeping every engine loaded and letting them take turns run by run means that the background
+load of a shared machine falls on all of them alike. Every engine gets the same prompt token
+ids, decodes greedily, ignores EOS and is timed the same way: TTFT = prompt in, first token
+out; each later token is one step. The peers run under their own venv (onnxruntime-genai pins
+its own onnxruntime, which must never meet llmx's).
 """
 
 from __future__ import annotations
@@ -14,29 +22,44 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
 
 import numpy as np
 
 
+class Llmx:
+    def __init__(self, model: str, threads: int | None, spin: bool | None):
+        from llmx.runtime.engine import Engine
+
+        options = {} if spin is None else {"spin": spin}
+        self.engine = Engine.load(model, threads=threads, **options)
+
+    def generate(self, prompt: list[int], new_tokens: int):
+        from llmx.runtime.bench import run_once
+
+        times = run_once(self.engine.backend, self.engine.tokenizer, [prompt], new_tokens)
+        return times.ttft_s, times.steps_s, times.token_ids
+
+
 class GenAI:
-    def __init__(self, model: str, threads: int | None):
+    def __init__(self, model: str, threads: int | None, spin: bool | None):
         import onnxruntime_genai as og
 
         self.og = og
         config = og.Config(model)
+        if spin is not None:
+            raise SystemExit("onnxruntime-genai's config has no spinning switch")
         if threads:
             config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)
 
-    def _generator(self, length: int):
+    def generate(self, prompt: list[int], new_tokens: int):
         params = self.og.GeneratorParams(self.model)
+        length = len(prompt) + new_tokens
         # min_length keeps EOS from ending the run early: every engine makes exactly the same count.
         params.set_search_options(do_sample=False, max_length=length, min_length=length, batch_size=1)
-        return self.og.Generator(self.model, params)
-
-    def generate(self, prompt: list[int], new_tokens: int):
-        gen = self._generator(len(prompt) + new_tokens)
+        gen = self.og.Generator(self.model, params)
         start = time.perf_counter()
         gen.append_tokens(np.asarray([prompt], dtype=np.int32))
         gen.generate_next_token()
@@ -50,7 +73,7 @@ class GenAI:
 
 
 class Transformers:
-    def __init__(self, model: str, threads: int | None):
+    def __init__(self, model: str, threads: int | None, spin: bool | None):
         import torch
         import transformers
 
@@ -77,23 +100,24 @@ class Transformers:
 
 
 class LlamaCpp:
-    def __init__(self, model: str, threads: int | None):
+    def __init__(self, model: str, threads: int | None, spin: bool | None):
         import llama_cpp
 
         kwargs = {"n_threads": threads, "n_threads_batch": threads} if threads else {}
         self.llm = llama_cpp.Llama(model_path=model, n_ctx=2048, n_batch=512, verbose=False, **kwargs)
 
     def generate(self, prompt: list[int], new_tokens: int):
+        # reset() forgets the previous tokens: otherwise generate() reuses the cached prompt prefix.
         self.llm.reset()
         tokens, steps = [], []
         start = last = time.perf_counter()
         ttft = 0.0
         for token in self.llm.generate(prompt, top_k=1, temp=0.0, reset=True):
             now = time.perf_counter()
-            if not tokens:
-                ttft = now - start
-            else:
+            if tokens:
                 steps.append(now - last)
+            else:
+                ttft = now - start
             last = now
             tokens.append(int(token))
             if len(tokens) == new_tokens:
@@ -101,53 +125,43 @@ class LlamaCpp:
         return ttft, steps, tokens
 
 
-ENGINES = {"genai": GenAI, "transformers": Transformers, "llamacpp": LlamaCpp}
+ENGINES = {"llmx": Llmx, "genai": GenAI, "transformers": Transformers, "llamacpp": LlamaCpp}
 
 
-def summarize(runs: list[tuple[float, list[float], list[int]]], prompt_len: int) -> dict:
-    per_run = [{"ttft_ms": t * 1e3, "tpot_ms": float(np.mean(s)) * 1e3, "decode_tokens_per_s": len(s) / sum(s)} for t, s, _ in runs]
-    steps = np.concatenate([s for _, s, _ in runs]) * 1e3
-    med = {k: float(np.median([r[k] for r in per_run])) for k in per_run[0]}
-    return {
-        **{k: round(v, 4) for k, v in med.items()},
-        "tpot_p50_ms": round(float(np.percentile(steps, 50)), 4),
-        "tpot_p90_ms": round(float(np.percentile(steps, 90)), 4),
-        "prefill_tokens_per_s": round(prompt_len / (med["ttft_ms"] / 1e3), 2),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "runs": per_run,
-        "token_ids": runs[0][2],
-    }
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def step_ms_at(engine, context_prompt: list[int], steps: int = 16) -> float:
-    """Median decode step with ``len(context_prompt)`` tokens already in the cache."""
-    _, times, _ = engine.generate(context_prompt, steps + 1)
-    return round(float(np.median(times[1:])) * 1e3, 4)
+def serve(engine, prompts: dict) -> None:
+    for line in sys.stdin:
+        cmd, *rest = line.split()
+        if cmd == "run":
+            ttft, steps, tokens = engine.generate(prompts["prompt"], int(rest[0]))
+            reply = {"ttft_s": ttft, "steps_s": steps, "token_ids": tokens}
+        elif cmd == "sweep":
+            context, n = rest[0], int(rest[1])
+            reply = {"step_ms": float(np.median(engine.generate(prompts["context_prompts"][context], n + 1)[1])) * 1e3}
+        elif cmd == "rss":
+            reply = {"peak_rss_mb": peak_rss_mb()}
+        else:
+            reply = {"error": f"unknown command {cmd!r}"}
+        print(json.dumps(reply), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("engine", choices=sorted(ENGINES))
     ap.add_argument("model")
-    ap.add_argument("--prompt", required=True, help="JSON file: {'prompt': [...], 'context_prompts': {n: [...]}}")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--prompt", required=True, help="JSON: {'prompt': [...], 'context_prompts': {n: [...]}}")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--contexts", action="store_true", help="also time a decode step at each context prompt")
+    ap.add_argument("--spin", dest="spin", action="store_true", default=None)
+    ap.add_argument("--no-spin", dest="spin", action="store_false")
     args = ap.parse_args()
     prompts = json.load(open(args.prompt))
     t0 = time.perf_counter()
-    engine = ENGINES[args.engine](args.model, args.threads)
-    load_s = time.perf_counter() - t0
-    for _ in range(args.warmup):
-        engine.generate(prompts["prompt"], args.new_tokens)
-    runs = [engine.generate(prompts["prompt"], args.new_tokens) for _ in range(args.repeat)]
-    result = {"engine": args.engine, "threads": args.threads, "load_s": round(load_s, 3),
-              **summarize(runs, len(prompts["prompt"]))}
-    if args.contexts:
-        result["decode_step_ms_by_context"] = {c: step_ms_at(engine, p) for c, p in prompts["context_prompts"].items()}
-    print(json.dumps(result))
+    engine = ENGINES[args.engine](args.model, args.threads, args.spin)
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb()}), flush=True)
+    serve(engine, prompts)
 
 
 if __name__ == "__main__":

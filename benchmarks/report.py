@@ -15,7 +15,10 @@ import numpy as np
 LABELS = {
     "llmx": "llmx (optimized, fp32)",
     "llmx-portable": "llmx (portable export, fp32)",
+    "llmx-spin": "llmx (optimized, fp32, spinning on)",
+    "llmx-nospin": "llmx (optimized, fp32, spinning off)",
     "genai": "onnxruntime-genai (fp32)",
+    "genai-1t": "onnxruntime-genai (fp32, 1 thread)",
     "transformers": "transformers eager (fp32)",
     "llamacpp": "llama.cpp (f32)",
 }
@@ -25,28 +28,36 @@ def _median(values) -> float:
     return float(np.median(values))
 
 
-def summarize(results: dict[str, list[dict]], baseline: str) -> dict[str, dict]:
-    base = results.get(baseline, [])
+def run_metrics(run: dict) -> dict:
+    steps = run["steps_s"]
+    return {"ttft_ms": run["ttft_s"] * 1e3, "tpot_ms": float(np.mean(steps)) * 1e3, "decode_tokens_per_s": len(steps) / sum(steps)}
+
+
+def summarize(results: dict[str, dict], baseline: str, prompt_len: int) -> dict[str, dict]:
+    """Per engine: medians over runs, ratios to ``baseline`` taken run by run (same round), context sweep."""
+    metrics = {e: [run_metrics(r) for r in res["runs"]] for e, res in results.items()}
+    reference = results.get("transformers", {}).get("runs", [{}])[0].get("token_ids")
     summary = {}
-    for engine, rounds in results.items():
-        row = {k: _median([r[k] for r in rounds]) for k in
-               ("decode_tokens_per_s", "ttft_ms", "tpot_ms", "tpot_p50_ms", "tpot_p90_ms", "prefill_tokens_per_s", "peak_rss_mb")}
-        if base:
-            pairs = list(zip(rounds, base))
-            row["decode_vs_baseline"] = _median([r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in pairs])
-            row["ttft_vs_baseline"] = _median([r["ttft_ms"] / b["ttft_ms"] for r, b in pairs])
-            row["decode_vs_baseline_per_round"] = [round(r["decode_tokens_per_s"] / b["decode_tokens_per_s"], 3) for r, b in pairs]
-            row["ttft_vs_baseline_per_round"] = [round(r["ttft_ms"] / b["ttft_ms"], 3) for r, b in pairs]
-        sweep = next((r["decode_step_ms_by_context"] for r in rounds if "decode_step_ms_by_context" in r), None)
-        if sweep:
-            contexts = sorted(sweep, key=int)
-            row["decode_step_ms_by_context"] = {c: sweep[c] for c in contexts}
-            row["step_ratio_last_vs_first"] = sweep[contexts[-1]] / sweep[contexts[0]]
-        reference = results.get("transformers", [{}])[0].get("token_ids")
-        mine = rounds[0].get("token_ids")
-        if reference and mine:
-            row["tokens_matching_transformers"] = next((i for i, (a, b) in enumerate(zip(mine, reference)) if a != b),
-                                                       min(len(mine), len(reference)))
+    for engine, res in results.items():
+        runs, steps = metrics[engine], np.concatenate([r["steps_s"] for r in res["runs"]]) * 1e3
+        row = {k: _median([m[k] for m in runs]) for k in ("ttft_ms", "tpot_ms", "decode_tokens_per_s")}
+        row.update(tpot_p50_ms=float(np.percentile(steps, 50)), tpot_p90_ms=float(np.percentile(steps, 90)),
+                   prefill_tokens_per_s=prompt_len / (row["ttft_ms"] / 1e3), peak_rss_mb=res["peak_rss_mb"],
+                   load_s=res["load_s"], runs=len(runs))
+        if baseline in metrics:
+            pairs = list(zip(runs, metrics[baseline]))
+            row["decode_x_baseline_by_round"] = [m["decode_tokens_per_s"] / b["decode_tokens_per_s"] for m, b in pairs]
+            row["ttft_x_baseline_by_round"] = [m["ttft_ms"] / b["ttft_ms"] for m, b in pairs]
+            row["decode_x_baseline"] = _median(row["decode_x_baseline_by_round"])
+            row["ttft_x_baseline"] = _median(row["ttft_x_baseline_by_round"])
+        if res.get("sweep"):
+            sweep = {c: res["sweep"][c] for c in sorted(res["sweep"], key=int)}
+            row["decode_step_ms_by_context"] = sweep
+            row["step_ratio_last_vs_first"] = list(sweep.values())[-1] / list(sweep.values())[0]
+        mine = res["runs"][0]["token_ids"]
+        if reference:
+            row["tokens_matching_transformers"] = next(
+                (i for i, (a, b) in enumerate(zip(mine, reference)) if a != b), min(len(mine), len(reference)))
         summary[engine] = row
     return summary
 
@@ -57,8 +68,9 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
     lines = [
         f"SmolLM-135M shape ({meta['model']['num_hidden_layers']} layers, hidden {meta['model']['hidden_size']}, "
         f"vocab {meta['model']['vocab_size']}), prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens, batch 1, "
-        f"greedy. {meta['rounds']} rounds x {meta['repeat']} runs, medians; ratios within each round, then median. "
-        f"{meta['date']}, load avg at end {meta['load_avg_1m_at_end']}.",
+        f"greedy. Engines loaded side by side, taking turns run by run: {meta['rounds']} runs each after a warm-up; "
+        f"medians; ratios to onnxruntime-genai taken within each round, then the median. {meta['date']}, "
+        f"1-min load average {meta['load_avg_1m_at_start']} at start, {meta['load_avg_1m_at_end']} at end.",
         "",
         f"| engine | decode tok/s | decode x genai | TTFT ms | TTFT x genai | TPOT p50 / p90 ms | prefill tok/s | "
         f"peak RSS MB | step {last} / step {first} | greedy tokens = transformers |",
@@ -70,11 +82,16 @@ def markdown(summary: dict[str, dict], meta: dict) -> str:
         same = row.get("tokens_matching_transformers")
         same = "-" if same is None else f"{same}/{meta['new_tokens']}"
         lines.append(
-            f"| {LABELS.get(engine, engine)} | {row['decode_tokens_per_s']:.1f} | {row.get('decode_vs_baseline', 0):.2f} | "
-            f"{row['ttft_ms']:.0f} | {row.get('ttft_vs_baseline', 0):.2f} | {row['tpot_p50_ms']:.1f} / {row['tpot_p90_ms']:.1f} | "
+            f"| {LABELS.get(engine, engine)} | {row['decode_tokens_per_s']:.1f} | {row.get('decode_x_baseline', 0):.2f} | "
+            f"{row['ttft_ms']:.0f} | {row.get('ttft_x_baseline', 0):.2f} | {row['tpot_p50_ms']:.1f} / {row['tpot_p90_ms']:.1f} | "
             f"{row['prefill_tokens_per_s']:.0f} | {row['peak_rss_mb']:.0f} | "
             f"{ratio} | {same} |"
         )
+    cli = meta.get("llmx_bench_cli")
+    if cli:
+        lines += ["", f"`{cli['command']}` (alone, after the table): TTFT {cli['ttft_ms']:.0f} ms, TPOT {cli['tpot_ms']:.1f} ms "
+                  f"(p50 {cli['tpot_p50_ms']:.1f}, p90 {cli['tpot_p90_ms']:.1f}), decode {cli['decode_tokens_per_s']:.1f} tok/s, "
+                  f"prefill {cli['prefill_tokens_per_s']:.0f} tok/s, peak RSS {cli['peak_rss_mb']:.0f} MB."]
     return "\n".join(lines) + "\n"
 
 
@@ -106,7 +123,7 @@ def plot(summary: dict[str, dict], meta: dict, path: Path) -> None:
 def write_report(results: dict[str, list[dict]], meta: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"cpu_{meta['date'].replace(' ', '_').replace(':', '')}"
-    summary = summarize(results, meta["baseline"])
+    summary = summarize(results, meta["baseline"], meta["prompt_len"])
     paths = {"json": stem.with_suffix(".json"), "md": stem.with_suffix(".md"), "png": stem.with_suffix(".png")}
     paths["json"].write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}, indent=1))
     paths["md"].write_text(markdown(summary, meta))

@@ -30,7 +30,7 @@ def _ort():
     return require("onnxruntime", "running ONNX graphs", "cpu")
 
 
-def session_options(threads: int | None = None, optimization: str = "all", spin: bool = True):
+def session_options(threads: int | None = None, optimization: str = "all", spin: bool = False):
     ort = _ort()
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or _physical_cores()
@@ -45,7 +45,9 @@ def session_options(threads: int | None = None, optimization: str = "all", spin:
     if optimization not in levels:
         raise InputError(f"optimization level must be one of {', '.join(levels)}, got {optimization!r}")
     opts.graph_optimization_level = levels[optimization]
-    # Spinning keeps decode latency low on a dedicated box; a shared server may turn it off.
+    # Spinning workers wait for the next op by busy-looping. On a CPU shared with other processes a
+    # descheduled spinner stalls every op (measured here: decode 2-3x slower with 2 spinning threads
+    # than without, docs/performance.md); off, the cost is ~10% on an idle box. Dedicated boxes may turn it on.
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     opts.log_severity_level = 3
     return opts
@@ -64,7 +66,7 @@ class OrtBackend:
     """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
-                 optimization: str = "all", spin: bool = True):
+                 optimization: str = "all", spin: bool = False):
         ort = _ort()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")

@@ -27,9 +27,11 @@ def register(cli: click.Group) -> None:
     @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed runs first.")
     @click.option("--context", "contexts", default=None, metavar="N,N,...",
                   help="Also time one decode step at these context lengths (e.g. 64,256,1024).")
+    @click.option("--spin/--no-spin", default=False, show_default=True,
+                  help="Let ONNX Runtime's idle threads busy-wait (faster on a dedicated CPU, slower on a shared one).")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
     @backend_options
-    def bench(artifact, prompt_len, new_tokens, batch, repeat, warmup, contexts, as_json, backend, threads):
+    def bench(artifact, prompt_len, new_tokens, batch, repeat, warmup, contexts, spin, as_json, backend, threads):
         """Measure TTFT, per-token latency, throughput and peak memory of greedy generation.
 
         \b
@@ -41,9 +43,10 @@ def register(cli: click.Group) -> None:
         from llmx.runtime.engine import Engine
 
         contexts = _contexts(contexts)
-        engine = Engine.load(artifact, backend=backend, threads=threads)
+        options = {"spin": spin} if backend.startswith("ort-") else {}  # an ONNX Runtime thread-pool setting
+        engine = Engine.load(artifact, backend=backend, threads=threads, **options)
         result = run_bench(engine.backend, engine.tokenizer, prompt_len, new_tokens, batch, repeat, warmup).to_dict()
-        result.update(artifact=str(artifact), backend=backend, threads=threads,
+        result.update(artifact=str(artifact), backend=backend, threads=threads, spin=spin,
                       optimized=bool(engine.manifest.stage_applied("optimize")))
         if contexts:
             sweep = context_sweep(engine.backend, engine.tokenizer, contexts, batch=batch)
