@@ -94,7 +94,7 @@ class OrtBackend:
         self.present_names = [kv["present"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
         self._binding = self.sessions["decode"].io_binding()
         self._logits: np.ndarray | None = None
-        self._bound_kv: tuple | None = None  # which cache rows the decode binding points at
+        self._bound_kv: tuple | None = None  # (cache buffer list, first row, rows) the decode binding points at
         self.prefill_calls = 0  # for tests and metrics: how often the prefill graph ran
 
     @property
@@ -151,15 +151,16 @@ class OrtBackend:
         b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         b.bind_cpu_input("position_ids", positions)
         b.bind_cpu_input("attention_mask", mask)
-        # Bindings persist between runs: rebind the 2 x layers KV buffers only when they moved.
-        key = (id(cache), cache.version, cache.buffers[0].ctypes.data, first_row, n, cache.capacity)
-        if key != self._bound_kv:
+        # Bindings persist between runs: rebind the 2 x layers KV buffers only when they changed.
+        # Holding the bound list keeps its arrays alive, so no new cache can reuse their addresses.
+        bound = self._bound_kv
+        if bound is None or bound[0] is not cache.buffers or bound[1:] != (first_row, n):
             shape = (n, self.kv_heads, cache.capacity, self.head_dim)
             for past, present, buf in zip(self.past_names, self.present_names, cache.buffers):
                 ptr = buf.ctypes.data + first_row * buf[0].nbytes  # rows first_row.. are contiguous
                 b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
                 b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
-            self._bound_kv = key
+            self._bound_kv = (cache.buffers, first_row, n)
         if self._logits is None or self._logits.shape != (n, t, self.vocab_size):
             self._logits = np.empty((n, t, self.vocab_size), np.float32)
             b.bind_output("logits", "cpu", 0, np.float32, self._logits.shape, self._logits.ctypes.data)

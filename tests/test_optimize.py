@@ -235,3 +235,24 @@ def test_refuses_head_dim_the_fused_attention_cannot_take(store, tmp_path, capsy
     code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
     assert code != 0 and "multiple of 16" in error_line(err)
     assert leftovers(tmp_path) == ["odd"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_follows_the_cache_it_is_given(fused, engines):
+    """The decode binding is reused between steps; switching caches (or replacing one) must rebind."""
+    backend = engines("llama", fused).backend
+    prompts = [engines("llama").encode(p) for p in PROMPTS[:2]]
+
+    def alone(prompt):
+        return steps(backend, prompt, 6)[0]
+
+    expected = [alone(p) for p in prompts]
+    caches = [backend.new_cache(1, 64) for _ in prompts]
+    got = [[backend.prefill(c, [0], [p])[0].copy()] for c, p in zip(caches, prompts)]
+    for _ in range(6):  # interleave the two sequences step by step
+        for c, g in zip(caches, got):
+            g.append(backend.decode(c, np.array([[int(np.argmax(g[-1]))]]))[0, 0].copy())
+    for g, e in zip(got, expected):
+        assert np.abs(np.stack(g) - np.stack(e)).max() <= PORTABLE_TOL
+    for _ in range(3):  # same-size caches made and dropped over and over, as `llmx bench` does
+        assert np.abs(np.stack(alone(prompts[1])) - np.stack(expected[1])).max() <= PORTABLE_TOL
