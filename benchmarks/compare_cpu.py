@@ -1,6 +1,6 @@
 """llmx against onnxruntime-genai, transformers eager and llama.cpp on one CPU, side by side.
 
-    python benchmarks/compare_cpu.py [--rounds 5] [--engines llmx,genai,genai-1t,transformers,llamacpp,llmx-portable]
+    python benchmarks/compare_cpu.py [--rounds 5] [--engines llmx,genai,genai-2t,llamacpp,...]
 
 Builds (once, cached in benchmarks/.cache/) a SmolLM-135M-shaped Llama checkpoint with random
 weights, exports and optimizes it with llmx, builds the onnxruntime-genai fp32 model and the
@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -42,9 +43,10 @@ ENGINES = {
     "llmx-spin": ("llmx", "art-opt", sys.executable, ["--spin"]),
     "llmx-nospin": ("llmx", "art-opt", sys.executable, ["--no-spin"]),
     "genai": ("genai", "genai", PEERS_PYTHON, []),
-    "genai-1t": ("genai", "genai", PEERS_PYTHON, ["--threads", "1"]),
+    "genai-2t": ("genai", "genai", PEERS_PYTHON, ["--threads", "2"]),
     "transformers": ("transformers", "ckpt", sys.executable, []),
     "llamacpp": ("llamacpp", "gguf", PEERS_PYTHON, []),
+    "llamacpp-2t": ("llamacpp", "gguf", PEERS_PYTHON, ["--threads", "2"]),
 }
 
 
@@ -101,10 +103,9 @@ def measure(workers: list[Worker], args, log) -> dict[str, dict]:
         for w in workers[shift:] + workers[:shift]:
             results[w.name]["runs"].append(w.ask(f"run {args.new_tokens}"))
         log(f"round {rnd + 1}/{args.rounds} done")
-    for i, context in enumerate(args.contexts.split(",")):
-        log(f"context sweep: {context} tokens")
-        for w in workers[i % len(workers):] + workers[: i % len(workers)]:
-            results[w.name].setdefault("sweep", {})[context] = w.ask(f"sweep {context} {args.sweep_steps}")["step_ms"]
+    for w in workers:
+        log(f"context sweep: {w.name}")
+        results[w.name]["sweep"] = w.ask(f"sweep {args.sweep_steps} {args.sweep_passes}")
     for w in workers:
         results[w.name]["peak_rss_mb"] = w.ask("rss")["peak_rss_mb"]
     return results
@@ -131,12 +132,13 @@ def llmx_bench_cli(artifact: Path, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="llmx,genai,genai-1t,transformers,llamacpp,llmx-portable")
+    ap.add_argument("--engines", default="llmx,llmx-spin,genai,genai-2t,llamacpp,llamacpp-2t,transformers,llmx-portable")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--contexts", default="64,128,256,512,1024")
     ap.add_argument("--sweep-steps", type=int, default=16)
+    ap.add_argument("--sweep-passes", type=int, default=3, help="median over passes per context length")
     ap.add_argument("--cache", type=Path, default=HERE / ".cache")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()

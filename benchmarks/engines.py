@@ -7,7 +7,7 @@ ENGINE is ``llmx`` (an llmx artifact, timed with the code ``llmx bench`` runs), 
 The process loads its model, prints ``{"ready": ...}``, then answers one JSON line per command:
 
     run N       one greedy generation of N tokens: {"ttft_s", "steps_s", "token_ids"}
-    sweep C N   a decode step's median time (ms) over N steps after FILE's context prompt C
+    sweep N R   per context prompt in FILE: a decode step's median time (ms) over N steps, R passes
     rss         peak resident memory of this process (MB)
 
 Keeping every engine loaded and letting them take turns run by run means that the background
@@ -139,8 +139,13 @@ def serve(engine, prompts: dict) -> None:
             ttft, steps, tokens = engine.generate(prompts["prompt"], int(rest[0]))
             reply = {"ttft_s": ttft, "steps_s": steps, "token_ids": tokens}
         elif cmd == "sweep":
-            context, n = rest[0], int(rest[1])
-            reply = {"step_ms": float(np.median(engine.generate(prompts["context_prompts"][context], n + 1)[1])) * 1e3}
+            # Contexts take turns (R passes) so that a change in background load hits all of them.
+            n, passes = int(rest[0]), int(rest[1])
+            times: dict[str, list[float]] = {c: [] for c in prompts["context_prompts"]}
+            for _ in range(passes):
+                for c, p in prompts["context_prompts"].items():
+                    times[c].append(float(np.median(engine.generate(p, n + 1)[1])) * 1e3)
+            reply = {c: float(np.median(t)) for c, t in times.items()}
         elif cmd == "rss":
             reply = {"peak_rss_mb": peak_rss_mb()}
         else:

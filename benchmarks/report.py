@@ -18,9 +18,10 @@ LABELS = {
     "llmx-spin": "llmx (optimized, fp32, spinning on)",
     "llmx-nospin": "llmx (optimized, fp32, spinning off)",
     "genai": "onnxruntime-genai (fp32)",
-    "genai-1t": "onnxruntime-genai (fp32, 1 thread)",
+    "genai-2t": "onnxruntime-genai (fp32, 2 threads)",
     "transformers": "transformers eager (fp32)",
     "llamacpp": "llama.cpp (f32)",
+    "llamacpp-2t": "llama.cpp (f32, 2 threads)",
 }
 
 
