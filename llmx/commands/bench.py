@@ -46,7 +46,9 @@ def register(cli: click.Group) -> None:
         options = {"spin": spin} if backend.startswith("ort-") else {}  # an ONNX Runtime thread-pool setting
         engine = Engine.load(artifact, backend=backend, threads=threads, **options)
         result = run_bench(engine.backend, engine.tokenizer, prompt_len, new_tokens, batch, repeat, warmup).to_dict()
-        result.update(artifact=str(artifact), backend=backend, threads=threads, spin=spin,
+        sessions = getattr(engine.backend, "sessions", {})
+        used = sessions["decode"].get_session_options().intra_op_num_threads if "decode" in sessions else threads
+        result.update(artifact=str(artifact), backend=backend, threads=used, spin=spin,
                       optimized=bool(engine.manifest.stage_applied("optimize")))
         if contexts:
             sweep = context_sweep(engine.backend, engine.tokenizer, contexts, batch=batch)
