@@ -18,6 +18,7 @@ LABELS = {
     "llmx-spin": "llmx (optimized, fp32, spinning on)",
     "llmx-nospin": "llmx (optimized, fp32, spinning off)",
     "genai": "onnxruntime-genai (fp32)",
+    "genai-1t": "onnxruntime-genai (fp32, 1 thread)",
     "genai-2t": "onnxruntime-genai (fp32, 2 threads)",
     "transformers": "transformers eager (fp32)",
     "llamacpp": "llama.cpp (f32)",
@@ -102,7 +103,7 @@ def plot(summary: dict[str, dict], meta: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     for engine, row in summary.items():
         sweep = row.get("decode_step_ms_by_context")
         if not sweep:
@@ -115,7 +116,7 @@ def plot(summary: dict[str, dict], meta: dict, path: Path) -> None:
     ax.set_ylabel("decode tokens/s (batch 1)")
     ax.set_title("Decode speed vs context, SmolLM-135M shape, fp32, 2-core CPU")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -130,3 +131,11 @@ def write_report(results: dict[str, list[dict]], meta: dict, out: Path) -> dict[
     paths["md"].write_text(markdown(summary, meta))
     plot(summary, meta, paths["png"])
     return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    # Re-render a saved run: python benchmarks/report.py benchmarks/results/cpu_<date>.json
+    saved = json.loads(Path(sys.argv[1]).read_text())
+    print(write_report(saved["raw"], saved["meta"], Path(sys.argv[1]).parent)["md"].read_text())
