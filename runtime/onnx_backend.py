@@ -66,14 +66,16 @@ class OrtBackend:
     """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
-                 optimization: str = "all", spin: bool = False):
+                 optimization: str | None = None, spin: bool = False):
         ort = _ort()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         if provider != "cpu":
             raise LlmxError(f"the {provider} provider needs device-resident KV buffers; use --backend ort-cpu here")
         self.artifact, self.manifest = Path(artifact), manifest
-        opts = session_options(threads, optimization, spin)
+        # `llmx optimize` artifacts are already fused: ORT's own passes find nothing more and cost load time.
+        hint = (manifest.stage_applied("optimize") or {}).get("session_options", {}).get("graph_optimization_level")
+        opts = session_options(threads, optimization or hint or "all", spin)
         self.sessions = {}
         for name in ("prefill", "decode"):
             graph = manifest.graphs.get(name)

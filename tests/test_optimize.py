@@ -134,6 +134,7 @@ def test_manifest_and_graphs(optimized, store):
     assert after.kv == before.kv and after.tokenizer == before.tokenizer and after.precision == before.precision
     entry = after.stage_applied("optimize")
     assert entry["attention"] == "com.microsoft.GroupQueryAttention" and entry["source"] == str(src.absolute())
+    assert entry["session_options"] == {"graph_optimization_level": "basic"}
     decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
     ops = Counter(n.op_type for n in decode.graph.node)
     layers = after.num_layers
@@ -141,6 +142,15 @@ def test_manifest_and_graphs(optimized, store):
     assert ops["MatMul"] == 4 * layers + 1 and "Softmax" not in ops
     assert len(decode.graph.node) <= 10 * layers + 12
     assert not (out / "weights.bin").samefile(src / "weights.bin")
+
+
+def test_runtime_takes_the_session_level_the_artifact_asks_for(engines):
+    import onnxruntime as ort
+
+    fused, portable = engines("llama").backend, engines("llama", fused=False).backend
+    level = {name: s.get_session_options().graph_optimization_level for name, s in fused.sessions.items()}
+    assert set(level.values()) == {ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}
+    assert portable.sessions["decode"].get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
 def test_cli_optimize_then_generate_same_text(store, tmp_path, capsys):
