@@ -73,8 +73,10 @@ class OrtBackend:
         if provider != "cpu":
             raise LlmxError(f"the {provider} provider needs device-resident KV buffers; use --backend ort-cpu here")
         self.artifact, self.manifest = Path(artifact), manifest
-        # `llmx optimize` artifacts are already fused: ORT's own passes find nothing more and cost load time.
-        hint = (manifest.stage_applied("optimize") or {}).get("session_options", {}).get("graph_optimization_level")
+        # Graphs fresh from `llmx optimize` are already fused: ORT's own passes find nothing more and
+        # cost load time. A later stage (calibrate's Q/DQ) needs them again, so only the last stage counts.
+        last = manifest.lineage[-1] if manifest.lineage else {}
+        hint = last.get("session_options", {}).get("graph_optimization_level") if last.get("stage") == "optimize" else None
         opts = session_options(threads, optimization or hint or "all", spin)
         self.sessions = {}
         for name in ("prefill", "decode"):

@@ -153,6 +153,19 @@ def test_runtime_takes_the_session_level_the_artifact_asks_for(engines):
     assert portable.sessions["decode"].get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
+def test_a_later_stage_gets_the_full_session_level_back(optimized, tmp_path):
+    """Calibrating an optimized artifact adds Q/DQ nodes that ORT's higher levels fuse."""
+    import onnxruntime as ort
+
+    art = tmp_path / "calibrated"
+    shutil.copytree(optimized("llama"), art)
+    manifest = json.loads((art / "llmx.json").read_text())
+    manifest["lineage"].append({"stage": "calibrate", "scheme": "w8a8"})
+    (art / "llmx.json").write_text(json.dumps(manifest))
+    backend = Engine.load(art, threads=1).backend
+    assert backend.sessions["decode"].get_session_options().graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+
 def test_cli_optimize_then_generate_same_text(store, tmp_path, capsys):
     out = tmp_path / "opt"
     code, _, err = run(["optimize", str(store.artifact("qwen2")), "-o", str(out)], capsys)
