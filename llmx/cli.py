@@ -12,7 +12,7 @@ from llmx import __version__
 from llmx.errors import LlmxError
 
 # Command modules, in the order `llmx --help` lists them (pipeline order).
-COMMAND_MODULES = ("export", "inspect", "calibrate", "build", "generate", "eval", "embed", "serve")
+COMMAND_MODULES = ("export", "inspect", "optimize", "calibrate", "build", "generate", "bench", "eval", "embed", "serve")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -30,7 +30,7 @@ def _ort():
     return require("onnxruntime", "running ONNX graphs", "cpu")
 
 
-def session_options(threads: int | None = None, optimization: str = "all", spin: bool = True):
+def session_options(threads: int | None = None, optimization: str = "all", spin: bool = False):
     ort = _ort()
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or _physical_cores()
@@ -45,7 +45,9 @@ def session_options(threads: int | None = None, optimization: str = "all", spin:
     if optimization not in levels:
         raise InputError(f"optimization level must be one of {', '.join(levels)}, got {optimization!r}")
     opts.graph_optimization_level = levels[optimization]
-    # Spinning keeps decode latency low on a dedicated box; a shared server may turn it off.
+    # Spinning workers wait for the next op by busy-looping. On a CPU shared with other processes a
+    # descheduled spinner stalls every op (measured here: decode 2-3x slower with 2 spinning threads
+    # than without, docs/performance.md); off, the cost is ~10% on an idle box. Dedicated boxes may turn it on.
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     opts.log_severity_level = 3
     return opts
@@ -64,14 +66,18 @@ class OrtBackend:
     """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
-                 optimization: str = "all", spin: bool = True):
+                 optimization: str | None = None, spin: bool = False):
         ort = _ort()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         if provider != "cpu":
             raise LlmxError(f"the {provider} provider needs device-resident KV buffers; use --backend ort-cpu here")
         self.artifact, self.manifest = Path(artifact), manifest
-        opts = session_options(threads, optimization, spin)
+        # Graphs fresh from `llmx optimize` are already fused: ORT's own passes find nothing more and
+        # cost load time. A later stage (calibrate's Q/DQ) needs them again, so only the last stage counts.
+        last = manifest.lineage[-1] if manifest.lineage else {}
+        hint = last.get("session_options", {}).get("graph_optimization_level") if last.get("stage") == "optimize" else None
+        opts = session_options(threads, optimization or hint or "all", spin)
         self.sessions = {}
         for name in ("prefill", "decode"):
             graph = manifest.graphs.get(name)
@@ -92,6 +98,7 @@ class OrtBackend:
         self.present_names = [kv["present"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
         self._binding = self.sessions["decode"].io_binding()
         self._logits: np.ndarray | None = None
+        self._bound_kv: tuple | None = None  # (cache buffer list, first row, rows) the decode binding points at
         self.prefill_calls = 0  # for tests and metrics: how often the prefill graph ran
 
     @property
@@ -132,7 +139,14 @@ class OrtBackend:
     def decode(self, cache: KVCache, input_ids: np.ndarray) -> np.ndarray:
         """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
         n, t = input_ids.shape
-        lengths = cache.lengths[:n]
+        if n > 1 and t > 1 and self.manifest.graphs["decode"].ops == "onnxruntime":
+            # GroupQueryAttention takes several new tokens per call only for a batch of one.
+            return np.stack([self._decode(cache, input_ids[r : r + 1], r)[0].copy() for r in range(n)])
+        return self._decode(cache, input_ids, 0)
+
+    def _decode(self, cache: KVCache, input_ids: np.ndarray, first_row: int) -> np.ndarray:
+        n, t = input_ids.shape
+        lengths = cache.lengths[first_row : first_row + n]
         total = int(lengths.max()) + t
         cache.ensure_capacity(total)
         positions = lengths[:, None] + np.arange(t, dtype=np.int64)[None]
@@ -141,14 +155,19 @@ class OrtBackend:
         b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         b.bind_cpu_input("position_ids", positions)
         b.bind_cpu_input("attention_mask", mask)
-        shape = (n, self.kv_heads, cache.capacity, self.head_dim)
-        for past, present, buf in zip(self.past_names, self.present_names, cache.buffers):
-            ptr = buf.ctypes.data  # rows 0..n-1 are the first n * row_size elements
-            b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
-            b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
+        # Bindings persist between runs: rebind the 2 x layers KV buffers only when they changed.
+        # Holding the bound list keeps its arrays alive, so no new cache can reuse their addresses.
+        bound = self._bound_kv
+        if bound is None or bound[0] is not cache.buffers or bound[1:] != (first_row, n):
+            shape = (n, self.kv_heads, cache.capacity, self.head_dim)
+            for past, present, buf in zip(self.past_names, self.present_names, cache.buffers):
+                ptr = buf.ctypes.data + first_row * buf[0].nbytes  # rows first_row.. are contiguous
+                b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
+                b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
+            self._bound_kv = (cache.buffers, first_row, n)
         if self._logits is None or self._logits.shape != (n, t, self.vocab_size):
             self._logits = np.empty((n, t, self.vocab_size), np.float32)
-        b.bind_output("logits", "cpu", 0, np.float32, self._logits.shape, self._logits.ctypes.data)
+            b.bind_output("logits", "cpu", 0, np.float32, self._logits.shape, self._logits.ctypes.data)
         self.sessions["decode"].run_with_iobinding(b)
-        cache.lengths[:n] += t
+        cache.lengths[first_row : first_row + n] += t
         return self._logits

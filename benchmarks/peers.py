@@ -1,0 +1,68 @@
+"""Building the peers' models from the benchmark checkpoint (each with the peer's own tools).
+
+onnxruntime-genai: its model builder (``python -m onnxruntime_genai.models.builder``), fp32, CPU.
+llama.cpp: the ``convert_hf_to_gguf.py`` that ships inside the installed llama-cpp-python's
+source distribution (same llama.cpp version as the library), f32.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PEERS_PYTHON = HERE / ".peers-venv" / "bin" / "python"
+
+
+def has_module(name: str) -> bool:
+    if not PEERS_PYTHON.is_file():
+        return False
+    return subprocess.run([str(PEERS_PYTHON), "-c", f"import {name}"], capture_output=True).returncode == 0
+
+
+def _peers(args: list[str], log) -> None:
+    out = subprocess.run([str(PEERS_PYTHON), *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:3])} failed:\n{out.stderr[-3000:]}")
+
+
+def build_genai(ckpt: Path, out: Path, log) -> Path:
+    if (out / "genai_config.json").is_file():
+        return out
+    log("onnxruntime-genai model builder (fp32, cpu)")
+    with tempfile.TemporaryDirectory() as cache:
+        _peers(["-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", "fp32", "-e", "cpu",
+                "-c", cache], log)
+    return out
+
+
+def _llama_cpp_sources(cache: Path, log) -> Path:
+    """vendor/llama.cpp of the installed llama-cpp-python's sdist (convert script, conversion/, gguf-py/)."""
+    version = subprocess.run([str(PEERS_PYTHON), "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    root = cache / f"llama-cpp-python-{version}"
+    src = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (src / "convert_hf_to_gguf.py").is_file():
+        return src
+    log(f"fetching llama-cpp-python {version} sources for its GGUF converter")
+    _peers(["-m", "pip", "download", "-q", f"llama-cpp-python=={version}", "--no-deps", "--no-binary", ":all:",
+            "-d", str(root)], log)
+    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+    with tarfile.open(next(root.glob("*.tar.gz"))) as tar:
+        members = [m for m in tar.getmembers() if any(f"vendor/llama.cpp/{w}" in m.name for w in wanted)]
+        tar.extractall(root, members=members, filter="data")
+    return src
+
+
+def build_gguf(ckpt: Path, out: Path, log) -> Path:
+    if out.is_file():
+        return out
+    src = _llama_cpp_sources(out.parent, log)
+    log("llama.cpp convert_hf_to_gguf (f32)")
+    tmp = out.with_suffix(".tmp")
+    _peers([str(HERE / "gguf_convert.py"), str(src), str(ckpt), str(tmp)], log)
+    shutil.move(tmp, out)
+    return out

@@ -1,0 +1,141 @@
+"""Turning per-round engine reports into the comparison table, JSON and plot.
+
+Ratios are computed within each round (engine vs the baseline measured minutes apart, under
+the same background load) and the median over rounds is reported; absolute numbers are the
+medians over rounds of each round's median-of-runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+LABELS = {
+    "llmx": "llmx (optimized, fp32)",
+    "llmx-portable": "llmx (portable export, fp32)",
+    "llmx-spin": "llmx (optimized, fp32, spinning on)",
+    "llmx-nospin": "llmx (optimized, fp32, spinning off)",
+    "genai": "onnxruntime-genai (fp32)",
+    "genai-1t": "onnxruntime-genai (fp32, 1 thread)",
+    "genai-2t": "onnxruntime-genai (fp32, 2 threads)",
+    "transformers": "transformers eager (fp32)",
+    "llamacpp": "llama.cpp (f32)",
+    "llamacpp-2t": "llama.cpp (f32, 2 threads)",
+}
+
+
+def _median(values) -> float:
+    return float(np.median(values))
+
+
+def run_metrics(run: dict) -> dict:
+    steps = run["steps_s"]
+    return {"ttft_ms": run["ttft_s"] * 1e3, "tpot_ms": float(np.mean(steps)) * 1e3, "decode_tokens_per_s": len(steps) / sum(steps)}
+
+
+def summarize(results: dict[str, dict], baseline: str, prompt_len: int) -> dict[str, dict]:
+    """Per engine: medians over runs, ratios to ``baseline`` taken run by run (same round), context sweep."""
+    metrics = {e: [run_metrics(r) for r in res["runs"]] for e, res in results.items()}
+    reference = results.get("transformers", {}).get("runs", [{}])[0].get("token_ids")
+    summary = {}
+    for engine, res in results.items():
+        runs, steps = metrics[engine], np.concatenate([r["steps_s"] for r in res["runs"]]) * 1e3
+        row = {k: _median([m[k] for m in runs]) for k in ("ttft_ms", "tpot_ms", "decode_tokens_per_s")}
+        row.update(tpot_p50_ms=float(np.percentile(steps, 50)), tpot_p90_ms=float(np.percentile(steps, 90)),
+                   prefill_tokens_per_s=prompt_len / (row["ttft_ms"] / 1e3), peak_rss_mb=res["peak_rss_mb"],
+                   load_s=res["load_s"], runs=len(runs))
+        if baseline in metrics:
+            pairs = list(zip(runs, metrics[baseline]))
+            row["decode_x_baseline_by_round"] = [m["decode_tokens_per_s"] / b["decode_tokens_per_s"] for m, b in pairs]
+            row["ttft_x_baseline_by_round"] = [m["ttft_ms"] / b["ttft_ms"] for m, b in pairs]
+            row["decode_x_baseline"] = _median(row["decode_x_baseline_by_round"])
+            row["ttft_x_baseline"] = _median(row["ttft_x_baseline_by_round"])
+        if res.get("sweep"):
+            sweep = {c: res["sweep"][c] for c in sorted(res["sweep"], key=int)}
+            row["decode_step_ms_by_context"] = sweep
+            row["step_ratio_last_vs_first"] = list(sweep.values())[-1] / list(sweep.values())[0]
+        mine = res["runs"][0]["token_ids"]
+        if reference:
+            row["tokens_matching_transformers"] = next(
+                (i for i, (a, b) in enumerate(zip(mine, reference)) if a != b), min(len(mine), len(reference)))
+        summary[engine] = row
+    return summary
+
+
+def markdown(summary: dict[str, dict], meta: dict) -> str:
+    contexts = meta["contexts"]
+    first, last = str(contexts[0]), str(contexts[-1])
+    lines = [
+        f"SmolLM-135M shape ({meta['model']['num_hidden_layers']} layers, hidden {meta['model']['hidden_size']}, "
+        f"vocab {meta['model']['vocab_size']}), prompt {meta['prompt_len']}, {meta['new_tokens']} new tokens, batch 1, "
+        f"greedy. Engines loaded side by side, taking turns run by run: {meta['rounds']} runs each after a warm-up; "
+        f"medians; ratios to onnxruntime-genai taken within each round, then the median. {meta['date']}, "
+        f"1-min load average {meta['load_avg_1m_at_start']} at start, {meta['load_avg_1m_at_end']} at end.",
+        "",
+        f"| engine | decode tok/s | decode x genai | TTFT ms | TTFT x genai | TPOT p50 / p90 ms | prefill tok/s | "
+        f"peak RSS MB | step {last} / step {first} | greedy tokens = transformers |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for engine, row in summary.items():
+        ratio = row.get("step_ratio_last_vs_first")
+        ratio = "-" if ratio is None else f"{ratio:.2f}"
+        same = row.get("tokens_matching_transformers")
+        same = "-" if same is None else f"{same}/{meta['new_tokens']}"
+        lines.append(
+            f"| {LABELS.get(engine, engine)} | {row['decode_tokens_per_s']:.1f} | {row.get('decode_x_baseline', 0):.2f} | "
+            f"{row['ttft_ms']:.0f} | {row.get('ttft_x_baseline', 0):.2f} | {row['tpot_p50_ms']:.1f} / {row['tpot_p90_ms']:.1f} | "
+            f"{row['prefill_tokens_per_s']:.0f} | {row['peak_rss_mb']:.0f} | "
+            f"{ratio} | {same} |"
+        )
+    cli = meta.get("llmx_bench_cli")
+    if cli:
+        lines += ["", f"`{cli['command']}` (alone, after the table): TTFT {cli['ttft_ms']:.0f} ms, TPOT {cli['tpot_ms']:.1f} ms "
+                  f"(p50 {cli['tpot_p50_ms']:.1f}, p90 {cli['tpot_p90_ms']:.1f}), decode {cli['decode_tokens_per_s']:.1f} tok/s, "
+                  f"prefill {cli['prefill_tokens_per_s']:.0f} tok/s, peak RSS {cli['peak_rss_mb']:.0f} MB."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, dict], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    for engine, row in summary.items():
+        sweep = row.get("decode_step_ms_by_context")
+        if not sweep:
+            continue
+        xs = [int(c) for c in sweep]
+        ax.plot(xs, [1000 / ms for ms in sweep.values()], marker="o",
+                label=f"{LABELS.get(engine, engine)} (step {xs[-1]}/{xs[0]}: {row['step_ratio_last_vs_first']:.2f}x)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens in the KV cache)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title("Decode speed vs context, SmolLM-135M shape, fp32, 2-core CPU")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: dict[str, list[dict]], meta: dict, out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"cpu_{meta['date'].replace(' ', '_').replace(':', '')}"
+    summary = summarize(results, meta["baseline"], meta["prompt_len"])
+    paths = {"json": stem.with_suffix(".json"), "md": stem.with_suffix(".md"), "png": stem.with_suffix(".png")}
+    paths["json"].write_text(json.dumps({"meta": meta, "summary": summary, "raw": results}, indent=1))
+    paths["md"].write_text(markdown(summary, meta))
+    plot(summary, meta, paths["png"])
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    # Re-render a saved run: python benchmarks/report.py benchmarks/results/cpu_<date>.json
+    saved = json.loads(Path(sys.argv[1]).read_text())
+    print(write_report(saved["raw"], saved["meta"], Path(sys.argv[1]).parent)["md"].read_text())

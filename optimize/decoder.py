@@ -1,0 +1,214 @@
+"""The optimized prefill and decode graphs, written from a ModelSpec with ONNX Runtime's fused ops.
+
+Same inputs and outputs as the exported (portable) graphs, so the runtime never asks which
+kind it holds; per layer the work is a handful of kernels instead of ~60 small ops:
+
+    [Skip]SimplifiedLayerNormalization   residual add + RMSNorm in one pass (LayerNorm: [Skip]LayerNormalization)
+    MatMul qkv                           q, k and v in one weight read (already fused by export)
+    GroupQueryAttention                  rotary, KV-cache write at slot == position, attention
+    MatMul o -> SkipNorm -> MatMul up -> activation (gate * up) -> MatMul down
+
+Decode binds past and present to one buffer; GroupQueryAttention writes the new keys/values
+at slot ``seqlens_k`` (= position, because a row's cache is filled from slot 0) and reads the
+first ``seqlens_k + 1`` slots, so a step costs the same at any capacity. The graph derives
+``seqlens_k = sum(attention_mask) - 1`` and ``total_sequence_length = attention_mask.shape[1]``,
+which assumes what the runtime always passes: each row's mask is a prefix of ones.
+
+Prefill applies rotary with RotaryEmbedding (it reads every token's position_ids, so left
+padding works) and masks padding with an additive bias; keys are stored after rotary, as in
+the portable graphs, so both kinds of graph share one cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmx.errors import ArtifactError
+from llmx.export.rope import cos_sin_tables, inv_freq_and_scale
+from llmx.export.spec import ModelSpec
+from llmx.manifest import GraphSpec
+from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
+from llmx.optimize.weights import SourceWeights
+
+INT32 = 6  # onnx.TensorProto.INT32
+BOOL = 9
+MASKED = float(np.finfo(np.float32).min)  # what the portable graphs fill masked scores with
+
+# activation -> (op, domain, attributes); gated MLPs multiply act(gate) by up.
+ACTIVATIONS = {
+    "silu": ("QuickGelu", MS_DOMAIN, {"alpha": 1.0}),  # x * sigmoid(alpha * x)
+    "gelu": ("Gelu", MS_DOMAIN, {}),
+    "gelu_tanh": ("FastGelu", MS_DOMAIN, {}),  # 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))
+    "relu": ("Relu", "", {}),
+}
+
+
+@dataclass
+class Context:
+    """What every layer of one graph shares."""
+
+    g: GraphBuilder
+    spec: ModelSpec
+    w: SourceWeights
+    kind: str  # "prefill" | "decode"
+    seqlens_k: str
+    total_len: str
+    position_ids: str
+    cos: str | None
+    sin: str | None
+    attention_bias: str | None  # prefill only: padding mask as an additive bias
+
+
+def check_supported(spec: ModelSpec) -> None:
+    """Refuse what the fused kernels cannot do, before anything is written."""
+    if spec.head_dim % 16:
+        raise ArtifactError(
+            f"head_dim {spec.head_dim} is not a multiple of 16, which ONNX Runtime's GroupQueryAttention needs; "
+            "use the exported artifact as is"
+        )
+    if spec.activation not in ACTIVATIONS:
+        raise ArtifactError(f"activation {spec.activation!r} has no fused kernel here")
+
+
+def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all_logits: bool = False):
+    """The optimized ``kind`` graph with exactly the inputs and outputs described by ``io``."""
+    g = GraphBuilder(f"llmx_{kind}")
+    for t in io.inputs:
+        g.input(t.name, t.dtype, t.shape)
+    for t in io.outputs:
+        g.output(t.name, t.dtype, t.shape)
+    ctx = _context(g, spec, w, kind)
+    x = g.op1("Gather", [g.weight(w.get("model.embed.weight")), "input_ids"])
+    if spec.position == "learned":
+        skip = g.op1("Gather", [g.weight(w.get("model.pos_embed.weight")), "position_ids"])
+    else:
+        skip = None
+    residual, pending_bias = None, None
+    for i in range(spec.num_layers):
+        residual, h = _norm(ctx, x, skip if i == 0 else residual, f"model.layers.{i}.attn_norm",
+                            f"model.layers.{i}.attn.qkv.weight", pending_bias)
+        x, pending_bias = _attention(ctx, i, h)
+        residual, h = _norm(ctx, x, residual, f"model.layers.{i}.mlp_norm", f"model.layers.{i}.mlp.up.weight", pending_bias)
+        x, pending_bias = _mlp(ctx, i, h)
+    _, h = _norm(ctx, x, residual, "model.norm", "model.lm_head.weight", pending_bias)
+    if kind == "prefill" and not all_logits:
+        h = _last_position(g, h, spec.hidden_size)
+    g.op("MatMul", [h, g.weight(w.get("model.lm_head.weight"))], ["logits"])
+    return g.model()
+
+
+def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> Context:
+    mask = "attention_mask"
+    total64 = g.op1("Squeeze", [g.op1("Shape", [mask], start=1, end=2), g.const([0], dtype=np.int64)])
+    total = g.op1("Cast", [total64], to=INT32)
+    cos = sin = bias = None
+    if spec.position == "rope":
+        inv_freq, scale = inv_freq_and_scale(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        cos_t, sin_t = cos_sin_tables(inv_freq, scale, spec.max_position_embeddings)
+        cos, sin = g.const(cos_t, "rope.cos_cache"), g.const(sin_t, "rope.sin_cache")
+    if kind == "decode":
+        # Rows hold sum(mask) tokens after this step; the new ones go to the last slots.
+        count = g.op1("ReduceSum", [mask, g.const([1], dtype=np.int64)], keepdims=0)
+        seqlens = g.op1("Cast", [g.op1("Sub", [count, g.const(1, dtype=np.int64)])], to=INT32)
+    else:
+        # Every row spans the whole padded prompt; padding (left or right) is masked by the bias.
+        batch = g.op1("Shape", [mask], start=0, end=1)
+        last = g.op1("Sub", [total64, g.const(1, dtype=np.int64)])
+        seqlens = g.op1("Cast", [g.op1("Expand", [last, batch])], to=INT32)
+        bias = _padding_bias(g, mask, batch)
+    return Context(g, spec, w, kind, seqlens, total, "position_ids", cos, sin, bias)
+
+
+def _padding_bias(g: GraphBuilder, mask: str, batch: str) -> str:
+    """[B,1,S,S] additive bias: 0 where the key is a real token, the float minimum at padding."""
+    valid = g.op1("Cast", [g.op1("Unsqueeze", [mask, g.const([1, 2], dtype=np.int64)])], to=BOOL)  # [B,1,1,S]
+    per_key = g.op1("Where", [valid, g.const(np.float32(0)), g.const(np.float32(MASKED))])
+    seq = g.op1("Shape", [mask], start=1, end=2)
+    shape = g.op1("Concat", [batch, g.const([1], dtype=np.int64), seq, seq], axis=0)
+    return g.op1("Expand", [per_key, shape])
+
+
+def _norm(ctx: Context, x: str, skip: str | None, prefix: str, next_matmul: str, bias: str | None) -> tuple[str, str]:
+    """(residual stream x + skip + bias, its norm). The first norm of the model has no skip."""
+    g, spec, w = ctx.g, ctx.spec, ctx.w
+    gamma = g.weight(w.norm_before(next_matmul, f"{prefix}.weight", 0))
+    beta = [g.weight(w.norm_before(next_matmul, f"{prefix}.bias", 1))] if spec.norm == "layer" else []
+    eps = float(spec.norm_eps)
+    if skip is None:
+        op = "SimplifiedLayerNormalization" if spec.norm == "rms" else "LayerNormalization"
+        return x, g.op1(op, [x, gamma, *beta], axis=-1, epsilon=eps)
+    op = "SkipSimplifiedLayerNormalization" if spec.norm == "rms" else "SkipLayerNormalization"
+    if spec.norm == "layer" and bias is None:
+        inputs = [x, skip, gamma, *beta]
+    elif spec.norm == "layer":
+        inputs = [x, skip, gamma, *beta, bias]
+    else:
+        inputs = [x, skip, gamma] + ([bias] if bias else [])
+    normed, total = g.fresh("normed"), g.fresh("residual")
+    g.op(op, inputs, [normed, "", "", total], domain=MS_DOMAIN, epsilon=eps)
+    return total, normed
+
+
+def _linear(ctx: Context, x: str, prefix: str, has_bias: bool, fold_bias: bool = False) -> tuple[str, str | None]:
+    """x @ W (+ b). With ``fold_bias`` the bias is returned for the next fused op to add."""
+    g, w = ctx.g, ctx.w
+    y = g.op1("MatMul", [x, g.weight(w.get(f"{prefix}.weight"))])
+    if not has_bias:
+        return y, None
+    bias = w.bias_after(f"{prefix}.weight", f"{prefix}.bias")
+    if bias is None:
+        raise ArtifactError(f"cannot find {prefix}.bias in the exported graph")
+    if fold_bias:
+        return y, g.weight(bias)
+    return g.op1("Add", [y, g.weight(bias)]), None
+
+
+def _attention(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
+    g, spec = ctx.g, ctx.spec
+    qkv, _ = _linear(ctx, h, f"model.layers.{i}.attn.qkv", spec.qkv_bias)
+    window = spec.sliding_window if spec.sliding_layers and spec.sliding_layers[i] else None
+    attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=float(spec.attention_scales[i]),
+                 local_window_size=int(window) if window else -1)
+    rope = spec.position == "rope"
+    if ctx.kind == "decode":
+        inputs = [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", ctx.seqlens_k, ctx.total_len]
+        inputs += [ctx.cos, ctx.sin, ctx.position_ids] if rope else []
+        attrs["do_rotary"] = int(rope)
+    else:
+        q, k, v = qkv, "", ""
+        if rope:
+            q, k, v = g.op("Split", [qkv, g.const([spec.q_size, spec.kv_size, spec.kv_size], dtype=np.int64)], 3, axis=-1)
+            q = g.op1("RotaryEmbedding", [q, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_heads)
+            k = g.op1("RotaryEmbedding", [k, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_kv_heads)
+        inputs = [q, k, v, "", "", ctx.seqlens_k, ctx.total_len, "", "", "", ctx.attention_bias]
+    out = g.fresh("attn")
+    g.op("GroupQueryAttention", inputs, [out, f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN, **attrs)
+    return _linear(ctx, out, f"model.layers.{i}.attn.o", spec.o_bias, fold_bias=True)
+
+
+def _mlp(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
+    g, spec = ctx.g, ctx.spec
+    op, domain, attrs = ACTIVATIONS[spec.activation]
+    prefix = f"model.layers.{i}.mlp"
+    if spec.mlp == "gated":
+        up, _ = _linear(ctx, h, f"{prefix}.up", spec.mlp_bias)
+        gate, up = g.op("Split", [up, g.const([spec.intermediate_size] * 2, dtype=np.int64)], 2, axis=-1)
+        act = g.op1("Mul", [g.op1(op, [gate], domain=domain, **attrs), up])
+    elif op == "FastGelu" and spec.mlp_bias:  # FastGelu adds the up projection's bias itself
+        up, bias = _linear(ctx, h, f"{prefix}.up", True, fold_bias=True)
+        act = g.op1(op, [up, bias], domain=domain, **attrs)
+    else:
+        up, _ = _linear(ctx, h, f"{prefix}.up", spec.mlp_bias)
+        act = g.op1(op, [up], domain=domain, **attrs)
+    return _linear(ctx, act, f"{prefix}.down", spec.mlp_bias, fold_bias=True)
+
+
+def _last_position(g: GraphBuilder, h: str, hidden: int) -> str:
+    """[B,S,H] -> [B,1,H] at each row's last real token (the last 1 in attention_mask)."""
+    last = g.op1("ArgMax", ["attention_mask"], axis=1, keepdims=1, select_last_index=1)  # [B,1]
+    index = g.op1("Unsqueeze", [last, g.const([2], dtype=np.int64)])  # [B,1,1]
+    batch = g.op1("Shape", [h], start=0, end=1)
+    index = g.op1("Expand", [index, g.op1("Concat", [batch, g.const([1, hidden], dtype=np.int64)], axis=0)])
+    return g.op1("GatherElements", [h, index], axis=1)
