@@ -291,3 +291,27 @@ def test_server_checks_the_draft_at_start(llama_artifact, store, other_tokenizer
         assert service.scheduler.load_error is None if error is None else error in service.scheduler.load_error
     finally:
         service.scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def fused(llama_artifact, tmp_path_factory):
+    """The tiny Llama after ``llmx optimize``: GroupQueryAttention takes T > 1 tokens one row at a time."""
+    from llmx.optimize.fuse import optimize_artifact
+
+    out = tmp_path_factory.mktemp("fused") / "art"
+    optimize_artifact(llama_artifact, out)
+    return Engine.load(out, threads=1)
+
+
+def test_fused_graphs_verify_drafts_and_fork_beams_as_the_exported_ones(target, fused):
+    from llmx.runtime.beam import BeamParams, BeamSearch
+
+    assert fused.manifest.graphs["decode"].ops == "onnxruntime"
+    params = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    prompts = list(PROMPTS.values())
+    plain = [s.output_ids for s in run(fused, prompts, params)]
+    assert [s.output_ids for s in run(fused, prompts, params, NgramDrafter(4))] == plain
+    assert plain == [s.output_ids for s in run(target, prompts, params)]
+    ids = target.encode(PROMPTS["code"])
+    beams = [BeamSearch(e.backend, ids, BeamParams(num_beams=3, max_new_tokens=10), [2]).run() for e in (target, fused)]
+    assert [h.token_ids for h in beams[0]] == [h.token_ids for h in beams[1]]
