@@ -143,7 +143,7 @@ def test_cli_calibrate_prints_the_report_and_json(store, calib_text, tmp_path, c
             "--seq-len", "32", "--eval-samples", "2", "--threads", "1"]
     code, out, err = run([*args, "-o", str(tmp_path / "a")], capsys)
     assert code == 0, err
-    assert "perplexity" in out and "top-1 agreement" in out and "decode graph" in out
+    assert "perplexity" in out and "top-1 agreement" in out and "graph size" in out and "decode" in out
     code, out, err = run([*args, "-o", str(tmp_path / "b"), "--json"], capsys)
     assert code == 0, err
     assert json.loads(out) == json.loads((tmp_path / "b" / "quality.json").read_text())
