@@ -143,7 +143,7 @@ def test_cli_calibrate_prints_the_report_and_json(store, calib_text, tmp_path, c
             "--seq-len", "32", "--eval-samples", "2", "--threads", "1"]
     code, out, err = run([*args, "-o", str(tmp_path / "a")], capsys)
     assert code == 0, err
-    assert "perplexity" in out and "top-1 agreement" in out and "graph size" in out and "decode " in out
+    assert "perplexity" in out and "top-1 agreement" in out and "graph size" in out and "decode" in out
     code, out, err = run([*args, "-o", str(tmp_path / "b"), "--json"], capsys)
     assert code == 0, err
     assert json.loads(out) == json.loads((tmp_path / "b" / "quality.json").read_text())
@@ -192,6 +192,17 @@ def test_graphs_with_contrib_ops_quantize_every_weight_matmul(settings, contrib_
         assert len(quantized) == expected == 9
         assert manifest.graphs[graph].ops == "onnxruntime"
     assert 0.8 < manifest.extras["quality"]["perplexity_ratio"] < 1.25
+
+
+@pytest.fixture(scope="module")
+def demo_artifact(tmp_path_factory) -> Path:
+    """The built-in demo model (real weights, trained on the stdlib), exported."""
+    import llmx
+    from llmx.export import export_checkpoint
+
+    out = tmp_path_factory.mktemp("demo") / "art"
+    export_checkpoint(Path(llmx.__file__).parent / "demo_model", out)
+    return out
 
 
 @pytest.mark.slow
