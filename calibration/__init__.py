@@ -6,7 +6,8 @@
 
 Schemes: ``w8a8`` static INT8 Q/DQ (calibrated activations, per-channel weights; the graphs
 TensorRT reads), ``w8`` and ``w4`` weight-only MatMulNBits. Both graphs are quantized; decode
-is calibrated on real KV caches (see ``feeds``). Importing this package is cheap; the work
+is calibrated on real KV caches (see ``feeds``). ``kv_cache="int8"`` also stores the KV cache
+as int8 (``kv_int8``), with a scheme or alone. Importing this package is cheap; the work
 happens in ``calibrate_artifact``.
 """
 
@@ -23,11 +24,12 @@ from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest, load_manifest
 
 SCHEMES = ("w8a8", "w8", "w4")
+KV_CACHE_DTYPES = ("float32", "int8")
 
 
 @dataclass
 class CalibrationOptions:
-    scheme: str
+    scheme: str | None  # None: weights untouched (only an int8 KV cache)
     method: str = "percentile"  # w8a8: how activation ranges are chosen (best of the three on real text)
     smoothquant: float | None = None  # w8a8: SmoothQuant alpha (None: off)
     per_channel: bool = True  # w8a8: weight scales per output channel (else per tensor)
@@ -37,8 +39,15 @@ class CalibrationOptions:
     seq_len: int = 256  # tokens per window
     eval_samples: int = 16  # evaluation windows
     threads: int | None = None
+    kv_cache: str = "float32"  # "int8": static per-channel int8 KV cache (kv_int8.py)
 
     def validate(self) -> "CalibrationOptions":
+        if self.kv_cache not in KV_CACHE_DTYPES:
+            raise InputError(f"--kv-cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache!r}")
+        if self.scheme is None and self.kv_cache == "float32":
+            raise InputError(f"--scheme is required ({', '.join(SCHEMES)}) unless --kv-cache int8 is the only change")
+        if self.scheme is None:
+            return self
         if self.scheme not in SCHEMES:
             raise InputError(f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.method not in METHODS:
@@ -52,6 +61,12 @@ class CalibrationOptions:
 
             check_block_size(self.block_size)
         return self
+
+    @property
+    def label(self) -> str:
+        """What the report calls the quantized artifact: the scheme, plus "kv8" for an int8 cache."""
+        parts = [self.scheme] if self.scheme else []
+        return "+".join(parts + (["kv8"] if self.kv_cache == "int8" else []))
 
     def precision(self) -> dict:
         """The manifest's ``precision`` section for this scheme."""
@@ -79,15 +94,25 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
     if encoder:
         from llmx.calibration.encoder import load_sentences, measure_embeddings
 
+        if options.kv_cache != "float32":
+            raise InputError("--kv-cache applies to decoders; an encoder has no KV cache")
         split, data_record = load_sentences(src, manifest, data, eval_data, options)
-        log(f"{options.scheme}: calibrating on {len(split.calibration)} sentences from {data}")
+        log(f"{options.label}: calibrating on {len(split.calibration)} sentences from {data}")
     else:
         split, data_record = load_windows(src, manifest, data, eval_data, options)
-        log(f"{options.scheme}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
+        log(f"{options.label}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
     with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-calibrate-") as work:
         models, weights_dir, record = pipeline.quantize_graphs(src, manifest, split.calibration, options, Path(work),
                                                                progress)
+        if options.kv_cache == "int8":
+            from llmx.calibration import kv_int8
+
+            log(f"int8 KV cache: scales from {len(split.calibration)} windows")
+            scales = kv_int8.calibrate_kv(src, manifest, split.calibration, options.threads)
+            kv_int8.quantize_kv_graphs(models, manifest, scales)
         new = pipeline.write_quantized(src, manifest, tmp, models, weights_dir, options, record)
+        if options.kv_cache == "int8":
+            kv_int8.mark_kv_int8(new, scales, split.calibration)
         new.precision["data"] = data_record
         unit = "sentences" if encoder else "windows"
         log(f"measuring quality on {len(split.evaluation)} held-out {unit}")
@@ -95,7 +120,7 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
             score = measure_embeddings if encoder else measure
             measured = score(src, tmp, new, split.evaluation, options.threads, bar.update)
         source = str(eval_data) if eval_data else f"held-out tail of {data}"
-        report = {"scheme": options.scheme, "options": asdict(options),
+        report = {"scheme": options.scheme, "label": options.label, "kv_cache": options.kv_cache, "options": asdict(options),
                   "evaluation": {"source": source, unit: len(split.evaluation), "seq_len": split.seq_len},
                   **measured}
         write_report(tmp, report)
@@ -135,4 +160,4 @@ def check_unquantized(src: Path, manifest: Manifest) -> None:
                             "calibrate the fp32 artifact it was made from")
 
 
-__all__ = ["CalibrationOptions", "SCHEMES", "METHODS", "calibrate_artifact"]
+__all__ = ["CalibrationOptions", "SCHEMES", "KV_CACHE_DTYPES", "METHODS", "calibrate_artifact"]

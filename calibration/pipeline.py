@@ -42,6 +42,8 @@ def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], opt
     from llmx.calibration.matmuls import declare_activation_types, name_nodes
     from llmx.onnx_files import load_graph, save_graphs
 
+    if options.scheme is None:  # weights stay as they are (an int8 KV cache alone)
+        return {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}, src, {}
     fp32 = work / "fp32"
     fp32.mkdir()
     models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
@@ -113,11 +115,11 @@ def write_quantized(src: Path, manifest: Manifest, tmp: Path, models: dict, weig
 
     save_graphs(models, tmp, sources={name: weights_dir for name in models} if weights_dir else None)
     copy_tokenizer(src, tmp)
-    portable = options.scheme == "w8a8" and all(g.ops == "portable" for g in manifest.graphs.values())
+    portable = options.scheme in ("w8a8", None) and all(g.ops == "portable" for g in manifest.graphs.values())
     ops = "portable" if portable else "onnxruntime"
-    new = manifest.with_stage("calibrate", scheme=options.scheme, **record)
+    new = manifest.with_stage("calibrate", scheme=options.scheme, kv_cache=options.kv_cache, **record)
     new.graphs = {name: describe_graph(model, f"{name}.onnx", ops=ops) for name, model in models.items()}
-    new.precision = options.precision()
+    new.precision = options.precision() if options.scheme else dict(manifest.precision)
     new.extras = {k: v for k, v in manifest.extras.items() if k != "verify"}
     if options.scheme == "w8a8":
         # Under "calibration", not "tensorrt": that key is `llmx build`'s record of built engines.

@@ -62,7 +62,7 @@ def _mib(n: int) -> str:
 
 def format_report(report: dict) -> str:
     ev, fp, q = report["evaluation"], report["fp32"], report["quantized"]
-    scheme = report["scheme"]
+    scheme = report.get("label") or report["scheme"]
     if report.get("kind") == "encoder":
         rows = [
             f"quality of {scheme} on {ev['source']}: {ev['sentences']} sentences",

@@ -9,6 +9,8 @@ Both ``generate`` and the server's continuous-batching scheduler drive this one 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from llmx.errors import InputError
@@ -23,6 +25,9 @@ class Batch:
         self.cache = backend.new_cache(rows, capacity)
         self.active: list[Sequence] = []
         self.next_ids: list[int] = []  # sampled, not yet in the cache
+        # Called with (sequence, cache, row) as a finished sequence leaves, before its row is
+        # reused: the server's prefix cache keeps the KV of what it generated.
+        self.on_leave: Callable[[Sequence, object, int], None] | None = None
 
     @property
     def free_rows(self) -> int:
@@ -79,9 +84,15 @@ class Batch:
             if not self.active[i].finished:
                 i += 1
                 continue
+            if self.on_leave is not None:
+                self.on_leave(self.active[i], self.cache, i)
             last = len(self.active) - 1
-            self.cache.move_row(last, i)
-            self.cache.lengths[last] = 0
+            self._move_row(last, i)
             self.active[i], self.next_ids[i] = self.active[last], self.next_ids[last]
             self.active.pop()
             self.next_ids.pop()
+
+    def _move_row(self, src: int, dst: int) -> None:
+        """Move row ``src`` into the hole at ``dst`` (subclasses move their own per-row state too)."""
+        self.cache.move_row(src, dst)
+        self.cache.lengths[src] = 0

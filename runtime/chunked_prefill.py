@@ -6,6 +6,9 @@ prefill graph, later chunks run the decode graph with T = chunk tokens (the deco
 causal within its T new tokens, so this is the same computation as one long prefill). When the
 prompt is done, ``Batch.join`` copies the row into the shared cache, as ``admit`` copies a
 prefill's output. The batch's other rows are never touched, so no backend change is needed.
+
+With a ``prefix`` (cached tokens and their KV, from the server's prefix cache) the row starts
+with those slots filled and only the rest of the prompt is computed, on the decode graph.
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ from llmx.runtime.sequence import Sequence
 
 
 class ChunkedPrefill:
-    def __init__(self, backend, seq: Sequence, chunk: int):
+    def __init__(self, backend, seq: Sequence, chunk: int, prefix: tuple[int, list[np.ndarray]] | None = None):
         if chunk < 1:
             raise ValueError("chunk must be >= 1")
         self.backend, self.seq, self.chunk = backend, seq, chunk
         self.cache = backend.new_cache(1, len(seq.prompt_ids))
         self.done = 0  # prompt tokens already in the cache
+        if prefix is not None:
+            self.done, entries = prefix
+            self.cache.write(0, entries)
         self.logits: np.ndarray | None = None  # last position's logits [V], once finished
 
     @property

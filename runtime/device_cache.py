@@ -154,6 +154,14 @@ class DeviceKVCache:
             self.device.copy_2d(self.row_ptr(b, dst), pitch, self.row_ptr(b, src), pitch, n * self.slot_bytes, self.kv_heads)
         self.lengths[dst], self.lengths[src] = n, 0
 
+    def copy_span(self, src: int, dst: int, start: int, end: int) -> None:
+        """Slots start..end of row ``src`` into row ``dst`` (beam search forks; see KVCache)."""
+        pitch, offset = self._capacity * self.slot_bytes, start * self.slot_bytes
+        for b in range(len(self.buffers)):
+            self.device.copy_2d(self.row_ptr(b, dst) + offset, pitch, self.row_ptr(b, src) + offset, pitch,
+                                (end - start) * self.slot_bytes, self.kv_heads)
+        self.lengths[dst] = end
+
     def reorder(self, order: np.ndarray) -> None:
         """rows[i] <- rows[order[i]] for the first len(order) rows (beam search), via a scratch copy."""
         n, size = len(order), self.row_bytes

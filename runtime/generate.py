@@ -31,8 +31,12 @@ def generate(
     params: SamplingParams | list[SamplingParams],
     padding: str = "right",
     on_event: Callable[[Event], None] | None = None,
+    drafter=None,
 ) -> list[Sequence]:
-    """Generate for a batch of tokenized prompts; returns the finished Sequences in order."""
+    """Generate for a batch of tokenized prompts; returns the finished Sequences in order.
+
+    With a ``drafter`` (runtime/drafters.py) each step verifies drafted tokens (speculative
+    decoding): greedy output is identical, sampled output has the same distribution."""
     params = params if isinstance(params, list) else [params] * len(prompts)
     if len(params) != len(prompts):
         raise InputError("need one SamplingParams per prompt")
@@ -41,7 +45,12 @@ def generate(
         p.validate()
         check_prompt(len(prompt), max_len)
     capacity = min(max_len, max(len(pr) + p.max_new_tokens for pr, p in zip(prompts, params)))
-    batch = Batch(backend, rows=len(prompts), capacity=capacity)
+    if drafter is None:
+        batch = Batch(backend, rows=len(prompts), capacity=capacity)
+    else:
+        from llmx.runtime.speculative import SpeculativeBatch
+
+        batch = SpeculativeBatch(backend, rows=len(prompts), capacity=capacity, drafter=drafter)
     seqs = [Sequence(pr, p, tokenizer, max_len) for pr, p in zip(prompts, params)]
     emit = on_event or (lambda event: None)
     for event in batch.admit(seqs, padding):

@@ -75,6 +75,15 @@ class KVCache:
             buf[dst, :, :n] = buf[src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
 
+    def copy_span(self, src: int, dst: int, start: int, end: int) -> None:
+        """Slots start..end of row ``src`` into row ``dst``, whose length becomes ``end``.
+
+        Beam search forks a beam this way: slots before ``start`` already hold the same
+        tokens' keys/values in ``dst``, so only the part where the two beams differ moves."""
+        for buf in self.buffers:
+            buf[dst, :, start:end] = buf[src, :, start:end]
+        self.lengths[dst] = end
+
     def reorder(self, order: np.ndarray) -> None:
         """rows[i] <- rows[order[i]] for the first len(order) rows (beam search)."""
         n = len(order)

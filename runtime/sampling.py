@@ -74,13 +74,14 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, context_ids: np.
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.exp(logits - logits.max())
-    return z / z.sum()
+    """Over the last axis (one row [V] or rows [n, V])."""
+    z = np.exp(logits - logits.max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max()
-    return shifted - np.log(np.exp(shifted).sum())
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
@@ -121,18 +122,19 @@ def min_p_mask(logits: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def typical_mask(logits: np.ndarray, mass: float) -> np.ndarray:
-    """Locally typical sampling (Meister et al. 2022), as transformers' TypicalLogitsWarper."""
+    """Locally typical sampling (Meister et al. 2022), as transformers' TypicalLogitsWarper: keep
+    the tokens whose surprisal is nearest the entropy until they hold ``mass`` (ties kept)."""
     if mass >= 1.0:
         return logits
     logp = log_softmax(logits)
     p = np.exp(logp)
-    entropy = -np.nansum(p * logp)
-    order = np.argsort(np.abs(-logp - entropy), kind="stable")
+    with np.errstate(invalid="ignore"):  # filtered tokens: 0 * -inf, skipped by nansum
+        entropy = -np.nansum(p * logp)
+    distance = np.abs(-logp - entropy)
+    order = np.argsort(distance, kind="stable")
     cumulative = np.cumsum(p[order])
     last = min(int(np.searchsorted(cumulative, mass)), logits.size - 1)
-    out = np.full_like(logits, -np.inf)
-    out[order[: last + 1]] = logits[order[: last + 1]]
-    return out
+    return np.where(distance <= distance[order[last]], logits, -np.inf)
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmx.runtime.sampling import SamplingParams, apply_penalties, log_softmax, sample, top_logprobs
+from llmx.runtime.sampling import SamplingParams, apply_penalties, log_softmax, sample, softmax, top_logprobs, warp
 from llmx.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _ids = itertools.count()
@@ -70,6 +70,8 @@ class Sequence:
         self._detok = IncrementalDetokenizer(tokenizer, self.prompt_ids)
         self._stops = StopStrings(params.stop)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
+        self.drafted = self.accepted = 0  # speculative decoding: tokens proposed / accepted
+        self.cached_tokens = 0  # prompt tokens whose KV came from a prefix cache (server)
 
     @property
     def finished(self) -> bool:
@@ -81,17 +83,29 @@ class Sequence:
 
     def choose(self, logits: np.ndarray) -> int:
         """Sample the next token from a logits row [V] (left untouched)."""
+        token = sample(self._penalized(logits), self.params, self.rng)
+        self.record_logprob(logits, token)
+        return token
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution ``choose`` draws from (penalties, temperature, filters) [V], for
+        speculative sampling, which must accept or correct drafts against exactly it."""
+        return softmax(warp(self._penalized(logits), self.params))
+
+    def _penalized(self, logits: np.ndarray) -> np.ndarray:
         p = self.params
         work = logits.astype(np.float32, copy=True)
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             work = apply_penalties(work, p, self._context, self.counts)
-        token = sample(work, p, self.rng)
-        if p.logprobs is not None:
-            # Logprobs of the model's own distribution, before penalties and temperature.
-            lp = log_softmax(logits.astype(np.float32))
-            top = [(i, self.tokenizer.token_text(i), v) for i, v in top_logprobs(lp, p.logprobs)]
-            self.logprobs.append(TokenLogprob(token, self.tokenizer.token_text(token), float(lp[token]), top))
-        return token
+        return work
+
+    def record_logprob(self, logits: np.ndarray, token: int) -> None:
+        """Logprobs of the model's own distribution (before penalties and temperature), if asked for."""
+        if self.params.logprobs is None:
+            return
+        lp = log_softmax(logits.astype(np.float32))
+        top = [(i, self.tokenizer.token_text(i), v) for i, v in top_logprobs(lp, self.params.logprobs)]
+        self.logprobs.append(TokenLogprob(token, self.tokenizer.token_text(token), float(lp[token]), top))
 
     def accept(self, token: int) -> str:
         """Append a chosen token; return newly visible text. Sets finish_reason when done."""

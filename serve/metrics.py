@@ -38,6 +38,12 @@ class Metrics:
                                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self.cancelled = Counter("llmx_cancelled_sequences", "Sequences stopped early because their client went away",
                                  registry=r)
+        self.prefix_cache_hit_tokens = Counter("llmx_prefix_cache_hit_tokens", "Prompt tokens whose prefill the prefix cache saved",
+                                               registry=r)
+        self.prefix_cache_bytes = Gauge("llmx_prefix_cache_bytes", "KV bytes held by the prefix cache", registry=r,
+                                        multiprocess_mode="livesum")
+        self.draft_tokens = Counter("llmx_speculative_draft_tokens", "Tokens drafted for speculative decoding", registry=r)
+        self.accepted_tokens = Counter("llmx_speculative_accepted_tokens", "Drafted tokens the model accepted", registry=r)
 
     def render(self) -> tuple[bytes, str]:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from llmx.errors import InputError
+from llmx.runtime.beam import BeamParams
 from llmx.runtime.chat import render_chat
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
@@ -87,6 +88,12 @@ def stream_options(value, name):
     return {"include_usage": boolean(value.get("include_usage", False), f"{name}.include_usage")}
 
 
+def early_stopping(value, name):
+    if value not in (True, False, "never"):
+        raise invalid_field(name, 'true, false or "never"', value)
+    return value
+
+
 def unsupported(allowed: Callable[[Any], bool], why: str) -> Checker:
     """A field OpenAI has but llmx does not implement: accepted only at its no-op value."""
 
@@ -99,7 +106,8 @@ def unsupported(allowed: Callable[[Any], bool], why: str) -> Checker:
 
 
 # name -> (checker, default). Sampling fields keep OpenAI's ranges; top_k/min_p/typical_p/
-# repetition_penalty/ignore_eos are the extensions vLLM and llama.cpp's server also accept.
+# repetition_penalty/ignore_eos are the extensions vLLM and llama.cpp's server also accept, and
+# use_beam_search/length_penalty/early_stopping are vLLM's beam-search fields.
 COMMON: dict[str, tuple[Checker, Any]] = {
     "model": (string, None),
     "max_tokens": (integer(1), None),
@@ -117,6 +125,9 @@ COMMON: dict[str, tuple[Checker, Any]] = {
     "stream": (boolean, False),
     "stream_options": (stream_options, None),
     "ignore_eos": (boolean, False),
+    "use_beam_search": (boolean, False),
+    "length_penalty": (number(-10, 10), None),
+    "early_stopping": (early_stopping, None),
     "user": (string, None),
     "logit_bias": (unsupported(lambda v: v == {}, "is not supported"), None),
 }
@@ -154,6 +165,7 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token, when logprobs were asked for
+    beam: list[BeamParams] | None = None  # use_beam_search: one per prompt (its n choices are the best n beams)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -180,11 +192,11 @@ def prompt_ids(value: Any, tokenizer, vocab_size: int) -> list[list[int]]:
 
     if isinstance(value, str):
         return [tokenizer.encode(value)]
+    if isinstance(value, list) and value and all(is_token(t) for t in value):
+        return [list(value)]  # one prompt of token ids: as long as the context allows
     if isinstance(value, list) and 0 < len(value) <= MAX_CHOICES:
         if all(isinstance(p, str) for p in value):
             return [tokenizer.encode(p) for p in value]
-        if all(is_token(t) for t in value):
-            return [list(value)]
         if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in value):
             return [list(p) for p in value]
     rule = f"a string, a list of strings, or token ids in [0, {vocab_size}) (a list, or a list of lists), at most {MAX_CHOICES} prompts"
@@ -219,8 +231,9 @@ def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
                        param="model", code="model_not_found")
     if f["stream_options"] is not None and not f["stream"]:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    if not chat and f["best_of"] not in (None, f["n"]):
-        raise bad_request("'best_of' is not supported (only equal to n)", param="best_of", code="unsupported_parameter")
+    if not chat and f["best_of"] not in (None, f["n"]) and not f["use_beam_search"]:
+        raise bad_request("'best_of' is supported with use_beam_search (the beam width) or equal to n",
+                          param="best_of", code="unsupported_parameter")
     if chat and f["top_logprobs"] is not None and not f["logprobs"]:
         raise bad_request("'logprobs' must be true when 'top_logprobs' is used", param="top_logprobs")
     if chat:
@@ -243,7 +256,38 @@ def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     budgets = [fit_context(p, max_tokens, engine.max_seq_len, "messages" if chat else "prompt") for p in prompts]
     params = [sampling_params(f, budget, logprobs, j) for budget in budgets for j in range(f["n"])]
     include_usage = bool(f["stream_options"] and f["stream_options"]["include_usage"])
-    return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs)
+    beam = beam_params(f, budgets, logprobs, chat)
+    return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam)
+
+
+# Fields beam search cannot honour (it is deterministic and scores with the model's own logprobs),
+# with their no-op values. temperature and seed are accepted and do not apply.
+NOT_FOR_BEAMS = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "typical_p": (1.0,), "repetition_penalty": (1.0,),
+                 "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],)}
+
+
+def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -> list[BeamParams] | None:
+    """BeamParams per prompt for use_beam_search (width best_of, else n; the n best are returned)."""
+    if not f["use_beam_search"]:
+        for name in ("length_penalty", "early_stopping"):
+            if f[name] is not None:
+                raise bad_request(f"'{name}' applies to beam search: set use_beam_search", param=name)
+        return None
+    for name, neutral in NOT_FOR_BEAMS.items():
+        if f[name] not in neutral:
+            raise bad_request(f"'{name}' is not supported with use_beam_search", param=name, code="unsupported_parameter")
+    if logprobs is not None:
+        raise bad_request("'logprobs' is not supported with use_beam_search", param="logprobs", code="unsupported_parameter")
+    width = f["n"] if chat or f["best_of"] is None else f["best_of"]
+    if width < f["n"]:
+        raise bad_request(f"'best_of' ({width}) must be at least n ({f['n']})", param="best_of")
+    try:
+        return [BeamParams(num_beams=width, max_new_tokens=budget, num_return_sequences=f["n"],
+                           length_penalty=1.0 if f["length_penalty"] is None else f["length_penalty"],
+                           early_stopping=bool(f["early_stopping"]) if f["early_stopping"] != "never" else "never",
+                           ignore_eos=f["ignore_eos"]).validate() for budget in budgets]
+    except InputError as exc:
+        raise bad_request(str(exc), param="best_of" if not chat else "n") from None
 
 
 def fit_context(prompt: list[int], max_tokens: int | None, limit: int, param: str) -> int:

@@ -25,10 +25,11 @@ class ChoiceResult:
     tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
     def add(self, u: Update) -> None:
         self.text += u.text
-        self.tokens = u.tokens
+        self.tokens, self.cached_tokens = u.tokens, u.cached_tokens
         self.logprobs += u.logprobs
         self.finish_reason = u.finish_reason or self.finish_reason
 
@@ -66,9 +67,14 @@ class Responder:
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.offsets = [0] * len(job.params)  # text offsets for streamed completion logprobs
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def prompt_cached(self, per_choice: list[int]) -> int:
+        """Cached prompt tokens, counted once per prompt (as prompt_tokens is): its first choice's."""
+        return sum(per_choice[:: self.job.n])
 
     def _logprobs(self, index: int, lps: list[TokenLogprob]) -> dict | None:
         if self.job.logprobs is None:
@@ -91,8 +97,9 @@ class Responder:
                 choice["text"] = r.text
             choices.append(choice)
         kind = "chat.completion" if self.job.chat else "text_completion"
+        usage = self.usage(sum(r.tokens for r in results), self.prompt_cached([r.cached_tokens for r in results]))
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage(sum(r.tokens for r in results))}
+                "usage": usage}
 
     # -- streamed chunks -----------------------------------------------------------------------
 
@@ -118,5 +125,5 @@ class Responder:
         choice.update({"delta": {}} if self.job.chat else {"text": ""})
         return self.chunk([choice])
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self.chunk([]), "usage": self.usage(completion_tokens)}
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        return {**self.chunk([]), "usage": self.usage(completion_tokens, cached_tokens)}

@@ -9,6 +9,10 @@ decode one token for every running sequence. So new requests join the running ba
 decode steps, finished ones leave at once, and a long prompt never stalls running streams for
 longer than one chunk. Sequences, the KV cache and the backend's IO binding are touched only
 by this thread; HTTP threads see ``Update`` messages (text, logprobs, finish reason).
+
+Optional, per server: a prefix cache (a prompt whose start is cached skips prefill for it; see
+prefix_cache.py), speculative decoding (the batch is a ``SpeculativeBatch``), and beam-search
+requests, which run beside the batch in their own rows (beam_jobs.py).
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from llmx.runtime.batch import Batch, Event
+from llmx.runtime.beam import BeamParams
 from llmx.runtime.chunked_prefill import ChunkedPrefill
 from llmx.runtime.sequence import Sequence, TokenLogprob
+from llmx.serve.beam_jobs import BeamJob
 from llmx.serve.metrics import Metrics
+from llmx.serve.prefix_cache import PrefixCache
 
 log = logging.getLogger("llmx.serve")
 INITIAL_KV_CAPACITY = 512  # per row; the cache grows by doubling up to the model's context
@@ -42,6 +49,7 @@ class Update:
     tokens: int  # tokens this choice has generated so far
     finish_reason: str | None
     turn: int = 0  # the scheduler turn that made it (orders updates across requests)
+    cached_tokens: int = 0  # prompt tokens of this choice served from the prefix cache
 
 
 @dataclass
@@ -52,8 +60,9 @@ class Failure:
 class Ticket:
     """One request's sequences as its HTTP thread sees them: a queue of updates and a done flag."""
 
-    def __init__(self, seqs: list[Sequence]):
+    def __init__(self, seqs: list[Sequence], beam: list[BeamParams] | None = None):
         self.seqs = seqs
+        self.beam = beam  # beam search: one BeamParams per prompt; seqs are its choices, n per prompt
         self.updates: queue.SimpleQueue[Update | Failure] = queue.SimpleQueue()
         self.done = threading.Event()  # set when every choice has finished (or failed)
         self.arrival = time.perf_counter()
@@ -71,8 +80,15 @@ class _Owner:  # where a sequence's updates go
 
 class Scheduler:
     def __init__(self, load_engine: Callable[[], object], max_batch: int = 8, max_queue: int = 64,
-                 prefill_chunk: int = 256, metrics: Metrics | None = None):
+                 prefill_chunk: int = 256, metrics: Metrics | None = None, prefix_cache_bytes: int = 0,
+                 load_drafter: Callable[[object], object] | None = None):
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        self._load_drafter = load_drafter  # engine -> drafter, run in this thread after loading
+        self.drafter = None
+        self._spec_counted = (0, 0)  # drafter totals already counted in metrics
+        self._beam_waiting: deque[BeamJob] = deque()
+        self._beams: list[BeamJob] = []  # running beam searches, stepped once per turn
         self.metrics = metrics or Metrics()
         self.engine = None
         self.ready = threading.Event()  # the engine is loaded and the loop runs
@@ -104,12 +120,12 @@ class Scheduler:
     def capacity(self) -> int:
         return self.max_batch + self.max_queue
 
-    def submit(self, seqs: list[Sequence]) -> Ticket:
+    def submit(self, seqs: list[Sequence], beam: list[BeamParams] | None = None) -> Ticket:
         with self._lock:
             if self._admitted + len(seqs) > self.capacity:
                 raise QueueFull(f"{self._admitted} sequences running or queued (limit {self.capacity})")
             self._admitted += len(seqs)
-        ticket = Ticket(seqs)
+        ticket = Ticket(seqs, beam)
         self._inbox.put(("submit", ticket))
         return ticket
 
@@ -127,6 +143,7 @@ class Scheduler:
         with self._lock:
             admitted = self._admitted
         running = len(self.batch.active) + (self._prefill is not None) if self.batch else 0
+        running += sum(len(job.ticket.seqs) for job in self._beams)
         return running, max(admitted - running, 0)
 
     # -- the scheduler thread ----------------------------------------------------------------
@@ -134,6 +151,8 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self.engine = self._load_engine()
+            if self._load_drafter is not None:
+                self.drafter = self._load_drafter(self.engine)
             self._new_batch()
         except Exception as exc:  # noqa: BLE001 -- reported by /ready and every request
             self.load_error, self.load_exception = str(exc) or type(exc).__name__, exc
@@ -147,6 +166,7 @@ class Scheduler:
             try:
                 self._publish(self._admit())
                 self._publish(self.batch.step())
+                self._publish(self._step_beams())
             except Exception as exc:  # noqa: BLE001 -- a failed step must not kill the server
                 log.exception("generation step failed")
                 self._fail_running(f"generation failed: {exc}")
@@ -154,10 +174,18 @@ class Scheduler:
 
     def _new_batch(self) -> None:
         backend = self.engine.backend
-        self.batch = Batch(backend, rows=self.max_batch, capacity=min(backend.max_seq_len, INITIAL_KV_CAPACITY))
+        capacity = min(backend.max_seq_len, INITIAL_KV_CAPACITY)
+        if self.drafter is None:
+            self.batch = Batch(backend, rows=self.max_batch, capacity=capacity)
+        else:
+            from llmx.runtime.speculative import SpeculativeBatch
+
+            self.batch = SpeculativeBatch(backend, self.max_batch, capacity, self.drafter)
+        if self.prefix_cache is not None:
+            self.batch.on_leave = self._remember_leaving
 
     def _busy(self) -> bool:
-        return bool(self.batch.active or self._waiting or self._prefill)
+        return bool(self.batch.active or self._waiting or self._prefill or self._beams or self._beam_waiting)
 
     def _drain(self, block: bool) -> bool:
         """Apply inbox messages; wait for one when idle. False means stop."""
@@ -173,7 +201,10 @@ class Scheduler:
                 ticket.queued_turn = self.turn + 1
                 for i, seq in enumerate(ticket.seqs):
                     self._owners[seq.id] = _Owner(ticket, i)
-                    self._waiting.append(seq)
+                    if ticket.beam is None:
+                        self._waiting.append(seq)
+                if ticket.beam is not None:
+                    self._beam_waiting.append(BeamJob(ticket, ticket.beam, len(ticket.seqs) // len(ticket.beam)))
             else:
                 self._cancel(ticket)
 
@@ -187,35 +218,84 @@ class Scheduler:
             seq.cancel(reason)
             self._finish(seq)
         self._waiting = deque(s for s in self._waiting if not s.finished)
+        self._beams = [job for job in self._beams if job.ticket is not ticket]
+        self._beam_waiting = deque(job for job in self._beam_waiting if job.ticket is not ticket)
         if self._prefill is not None and self._prefill.seq.finished:
             self._prefill = None
         self.batch.compact()
         return len(gone)
 
     def _admit(self) -> list[Event]:
-        """Spend this turn's prefill budget: continue a chunked prompt, then admit short ones."""
+        """Spend this turn's prefill budget: continue a chunked prompt, then admit short ones
+        (a prompt whose start is in the prefix cache computes only the rest)."""
         budget, events = self.prefill_chunk, []
         if self._prefill is not None:
             budget -= self._prefill.step()
             if self._prefill.finished:
                 done, self._prefill = self._prefill, None
-                events += self.batch.join(done.seq, done.entries(), done.logits)
+                events += self._join(done)
         group: list[Sequence] = []
         free = self.batch.free_rows - (self._prefill is not None)
         while self._waiting and len(group) < free:
-            n = len(self._waiting[0].prompt_ids)
-            if n > self.prefill_chunk and self._prefill is None:
-                self._prefill = ChunkedPrefill(self.engine.backend, self._take(), self.prefill_chunk)
+            seq = self._waiting[0]
+            prefix = self.prefix_cache.lookup(seq.prompt_ids) if self.prefix_cache else None
+            rest = len(seq.prompt_ids) - (prefix[0] if prefix else 0)
+            if rest > self.prefill_chunk and self._prefill is None:
+                self._prefill = ChunkedPrefill(self.engine.backend, self._take(prefix), self.prefill_chunk, prefix)
                 break  # its first chunk runs next turn, after a decode step
-            if n > budget:
+            if rest > budget:
                 break
-            group.append(self._take())
-            budget -= n
-        return events + self.batch.admit(group)
+            budget -= rest
+            if prefix is None:
+                group.append(self._take())
+                continue
+            warm = ChunkedPrefill(self.engine.backend, self._take(prefix), rest, prefix)
+            warm.step()
+            events += self._join(warm)
+            free -= 1
+        events += self.batch.admit(group)
+        self._remember_prompts(group)
+        return events
 
-    def _take(self) -> Sequence:
+    def _join(self, done: ChunkedPrefill) -> list[Event]:
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(done.seq.prompt_ids, done.cache, 0)
+        return self.batch.join(done.seq, done.entries(), done.logits)
+
+    def _remember_prompts(self, seqs: list[Sequence]) -> None:
+        """Prefix-cache the prompts just prefilled (those still running: the rest left already)."""
+        if self.prefix_cache is None:
+            return
+        for seq in seqs:
+            if not seq.finished:
+                self.prefix_cache.insert(seq.prompt_ids, self.batch.cache, self.batch.active.index(seq))
+
+    def _remember_leaving(self, seq: Sequence, cache, row: int) -> None:
+        """A sequence leaves its row: keep the KV of its prompt and what it generated."""
+        self.prefix_cache.insert(seq.prompt_ids + seq.output_ids, cache, row)
+
+    def _step_beams(self) -> list[Event]:
+        """Start beam searches whose rows fit, then one step of every running one."""
+        used = sum(job.rows for job in self._beams)
+        while self._beam_waiting and used + self._beam_waiting[0].rows <= self.max_batch:
+            job = self._beam_waiting.popleft()
+            self._beams.append(job)
+            used += job.rows
+            self.metrics.prompt_tokens.inc(sum(len(s.prompt_ids) for s in job.ticket.seqs[:: job.n]))
+        events = []
+        for job in list(self._beams):
+            done = job.step(self.engine.backend, self.engine.tokenizer.eos_token_ids)
+            if done:
+                self._beams.remove(job)
+                events += done
+        return events
+
+    def _take(self, prefix: tuple | None = None) -> Sequence:
         seq = self._waiting.popleft()
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+        if prefix is not None:
+            seq.cached_tokens = prefix[0]
+            self.metrics.prefix_cache_hit_tokens.inc(prefix[0])
         return seq
 
     def _publish(self, events: list[Event]) -> None:
@@ -229,9 +309,10 @@ class Scheduler:
             else:
                 self.metrics.itl.observe(now - own.last)
             new = seq.logprobs[own.tokens :] if seq.params.logprobs is not None else []
+            self.metrics.generation_tokens.inc(len(seq.output_ids) - own.tokens)  # several with speculation
             own.tokens, own.last = len(seq.output_ids), now
-            self.metrics.generation_tokens.inc()
-            own.ticket.updates.put(Update(own.index, text, new, own.tokens, seq.finish_reason, self.turn))
+            own.ticket.updates.put(Update(own.index, text, new, own.tokens, seq.finish_reason, self.turn,
+                                          seq.cached_tokens))
             if seq.finished:
                 self._finish(seq)
         if self.batch.active:
@@ -249,9 +330,10 @@ class Scheduler:
     def _fail_running(self, message: str) -> None:
         """After an engine error the cache is suspect: fail every request past the waiting line
         (running, prefilling, or taken for a prefill that raised), start afresh."""
-        waiting = {s.id for s in self._waiting}
+        waiting = {s.id for s in self._waiting} | {s.id for job in self._beam_waiting for s in job.ticket.seqs}
         tickets = {id(o.ticket): o.ticket for sid, o in self._owners.items() if sid not in waiting}
         self._prefill = None
+        self._beams = []
         self._new_batch()
         for ticket in tickets.values():
             ticket.updates.put(Failure(message))  # before _drop sets ``done``
@@ -261,3 +343,10 @@ class Scheduler:
         running, waiting = self.counts()
         self.metrics.running.set(running)
         self.metrics.queue_depth.set(waiting)
+        if self.prefix_cache is not None:
+            self.metrics.prefix_cache_bytes.set(self.prefix_cache.nbytes)
+        if self.drafter is not None:  # the drafter's totals, as counter increments
+            stats, (drafted, accepted) = self.drafter.stats, self._spec_counted
+            self.metrics.draft_tokens.inc(stats.drafted - drafted)
+            self.metrics.accepted_tokens.inc(stats.accepted - accepted)
+            self._spec_counted = (stats.drafted, stats.accepted)

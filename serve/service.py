@@ -27,23 +27,27 @@ from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
 RETRY_AFTER_S = 1
 API_KEY_ENV = "LLMX_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_PREFIX_CACHE_MB = 256
 
 
 def build_service(artifact: str | Path | None = None, *, engine=None, model_name: str | None = None,
                   max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
-                  threads: int | None = None, spin: bool = False) -> "Service":
+                  threads: int | None = None, spin: bool = False, prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
+                  speculative: str | None = None, draft: str | None = None, num_draft_tokens: int = 4) -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
     ``api_key`` defaults to the LLMX_API_KEY environment variable; without either, no key is asked.
     ``spin`` lets ONNX Runtime's threads spin between operators: off by default, because the
     server's HTTP threads need the same cores (measured: 1.7x faster decode without it on a
-    busy 2-core host, docs/serving.md).
+    busy 2-core host, docs/serving.md). ``prefix_cache_mb`` bounds the prefix cache (0: off);
+    ``speculative`` ("ngram" or "draft" with ``draft``, an artifact) drafts ``num_draft_tokens``
+    per step for every request (docs/decoding.md).
     """
     if (artifact is None) == (engine is None):
         raise InputError("the server needs an artifact directory or a loaded engine (one of them)")
-    for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0),
-                             ("prefill_chunk", prefill_chunk, 1), ("max_body_bytes", max_body_bytes, 1)):
+    for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("prefill_chunk", prefill_chunk, 1),
+                             ("max_body_bytes", max_body_bytes, 1), ("prefix_cache_mb", prefix_cache_mb, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -56,13 +60,22 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
         if manifest.kind == "encoder":
             from llmx.serve.embeddings import build_embedding_service
 
+            if speculative is not None:
+                raise InputError("speculative decoding applies to text generation; this artifact is an encoder")
             return build_embedding_service(artifact, name, key, max_batch=max_batch, max_queue=max_queue,
                                            max_body_bytes=max_body_bytes, threads=threads)
         options = {"threads": threads, **({"spin": spin} if backend.startswith("ort-") else {})}
         load = lambda: Engine.load(artifact, backend=backend, **options)  # noqa: E731
     else:
         load = lambda: engine  # noqa: E731
-    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics()).start()
+    load_drafter = None
+    if speculative is not None:
+        from llmx.runtime.drafters import check_speculative, make_drafter
+
+        check_speculative(speculative, draft, num_draft_tokens)
+        load_drafter = lambda target: make_drafter(speculative, target, num_draft_tokens, draft,  # noqa: E731
+                                                   backend=backend, threads=threads)
+    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_cache_mb << 20, load_drafter).start()
     return Service(scheduler, name, key, keepalive_s, max_body_bytes)
 
 
@@ -162,8 +175,11 @@ class Service(BaseService):
         if len(seqs) > self.scheduler.capacity:
             raise ApiError(400, f"request asks for {len(seqs)} sequences; this server holds at most "
                                 f"{self.scheduler.capacity} (--max-batch + --max-queue)", param="n")
+        if job.beam and sum(p.num_beams for p in job.beam) > self.scheduler.max_batch:
+            raise ApiError(400, f"beam search over {len(job.beam)} prompt(s) x {job.beam[0].num_beams} beams needs more rows "
+                                f"than this server's --max-batch {self.scheduler.max_batch}", param="best_of" if not job.chat else "n")
         try:
-            ticket = self.scheduler.submit(seqs)
+            ticket = self.scheduler.submit(seqs, job.beam)
         except QueueFull as exc:
             raise ApiError(429, f"server is busy ({exc}); retry later", code="queue_full",
                            retry_after=RETRY_AFTER_S) from None
@@ -217,7 +233,7 @@ class EventStream:
 
     def _generate(self) -> Iterator[str]:
         r, k = self.responder, len(self.job.params)
-        tokens, pending = [0] * k, k
+        tokens, cached, pending = [0] * k, [0] * k, k
         if self.job.chat:
             yield sse(r.role_chunk())
         while pending:
@@ -233,7 +249,7 @@ class EventStream:
                 self.complete = True
                 yield sse({"error": {"message": u.message, "type": "server_error", "param": None, "code": "generation_failed"}})
                 return
-            tokens[u.index] = u.tokens
+            tokens[u.index], cached[u.index] = u.tokens, u.cached_tokens
             if u.text or u.logprobs:
                 yield sse(r.delta_chunk(u))
             if u.finish_reason is not None:
@@ -241,5 +257,5 @@ class EventStream:
                 yield sse(r.finish_chunk(u.index, u.finish_reason))
         self.complete = True
         if self.job.include_usage:
-            yield sse(r.usage_chunk(sum(tokens)))
+            yield sse(r.usage_chunk(sum(tokens), r.prompt_cached(cached)))
         yield sse("[DONE]")

@@ -210,6 +210,7 @@ def demo_artifact(tmp_path_factory) -> Path:
     (dict(scheme="w8a8", smoothquant=0.5), 1.02),
     (dict(scheme="w8"), 1.005),
     (dict(scheme="w4"), 1.05),
+    (dict(scheme=None, kv_cache="int8"), 1.01),  # the int8 KV cache alone (calibration/kv_int8.py)
 ])
 def test_real_weights_meet_the_quality_targets(settings, max_ratio, demo_artifact, tmp_path):
     """The issue's targets on a trained model: calibrated on training-set modules, graded on

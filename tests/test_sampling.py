@@ -126,3 +126,19 @@ def test_repetition_penalty_changes_greedy_output(llama_engine):
     pen = llama_engine.generate(["x"], SamplingParams(max_new_tokens=30, temperature=0, repetition_penalty=5.0, ignore_eos=True))[0]
     assert len(set(pen.output_ids)) >= len(set(base.output_ids))
     assert pen.output_ids != base.output_ids
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
+def test_typical_equals_transformers_typical_logits_warper(mass):
+    import torch
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    rng = np.random.default_rng(int(mass * 100))
+    cases = [rng.normal(size=320).astype(np.float32) * 3,
+             S.top_k_mask(rng.normal(size=320).astype(np.float32), 40),  # -inf entries, as after top-k
+             np.repeat(rng.normal(size=40).astype(np.float32), 8)]  # ties at the cut
+    for logits in cases:
+        ref = TypicalLogitsWarper(mass=mass)(None, torch.from_numpy(logits)[None])[0].numpy()
+        ours = S.typical_mask(logits, mass)
+        assert np.array_equal(np.isfinite(ours), np.isfinite(ref))
+        np.testing.assert_array_equal(ours[np.isfinite(ours)], logits[np.isfinite(ours)])

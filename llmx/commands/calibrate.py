@@ -16,7 +16,10 @@ def register(cli: click.Group) -> None:
     @click.option("-o", "--output", required=True, type=click.Path(path_type=str), help="Quantized artifact directory to write.")
     @click.option("--data", required=True, type=click.Path(path_type=str),
                   help="Calibration text: a UTF-8 file, JSONL with a \"text\" field, or a folder of text files.")
-    @click.option("--scheme", required=True, help="w8a8 (static INT8 Q/DQ), w8 or w4 (weight-only MatMulNBits).")
+    @click.option("--scheme", default=None,
+                  help="w8a8 (static INT8 Q/DQ), w8 or w4 (weight-only MatMulNBits); optional with --kv-cache int8.")
+    @click.option("--kv-cache", type=click.Choice(["float32", "int8"]), default="float32", show_default=True,
+                  help="int8: store the KV cache as int8 with calibrated per-channel scales (a quarter of the memory).")
     @click.option("--method", default="percentile", show_default=True, help="w8a8 activation ranges: minmax, entropy or percentile.")
     @click.option("--smoothquant", "alpha", type=float, default=None, help="w8a8: apply SmoothQuant with this alpha (e.g. 0.5).")
     @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="w8a8 weight scales.")
@@ -30,7 +33,7 @@ def register(cli: click.Group) -> None:
     @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: physical cores).")
     @click.option("--json", "as_json", is_flag=True, help="Print the quality report as one JSON object.")
     @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
-    def calibrate(artifact, output, data, scheme, method, alpha, per_channel, block_size, symmetric, samples, seq_len,
+    def calibrate(artifact, output, data, scheme, kv_cache, method, alpha, per_channel, block_size, symmetric, samples, seq_len,
                   eval_data, eval_samples, threads, as_json, force):
         """Quantize ARTIFACT to INT8/INT4 and report what it cost in quality.
 
@@ -38,6 +41,8 @@ def register(cli: click.Group) -> None:
         llmx calibrate ./art --data calib.txt --scheme w8a8 --method entropy --smoothquant 0.5 -o ./art-int8
         llmx calibrate ./art --data calib.jsonl --scheme w8 -o ./art-w8
         llmx calibrate ./art --data calib.txt --scheme w4 --block-size 32 -o ./art-w4
+        llmx calibrate ./art --data calib.txt --kv-cache int8 -o ./art-kv8          # int8 KV cache alone
+        llmx calibrate ./art --data calib.txt --scheme w8 --kv-cache int8 -o ./art-w8-kv8
 
         Both graphs are quantized (decode calibrated on real KV caches). The new artifact holds
         quality.json: perplexity fp32 vs quantized on held-out text, top-1 agreement, mean KL and
@@ -48,10 +53,10 @@ def register(cli: click.Group) -> None:
 
         options = CalibrationOptions(scheme=scheme, method=method, smoothquant=alpha, per_channel=per_channel,
                                      block_size=block_size, symmetric=symmetric, samples=samples, seq_len=seq_len,
-                                     eval_samples=eval_samples, threads=threads)
+                                     eval_samples=eval_samples, threads=threads, kv_cache=kv_cache)
         log = lambda msg: click.echo(msg, err=True)  # noqa: E731
         manifest = calibrate_artifact(artifact, output, data, options, eval_data=eval_data, force=force, log=log,
                                       progress=tqdm_progress)
         report = manifest.extras["quality"]
         click.echo(json.dumps(report) if as_json else format_report(report))
-        click.echo(f"wrote {output} ({scheme})", err=True)
+        click.echo(f"wrote {output} ({options.label})", err=True)

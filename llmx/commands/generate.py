@@ -4,13 +4,35 @@ import time
 
 import click
 
+from llmx.errors import InputError
+
 BACKEND_CHOICES = ("ort-cpu", "ort-cuda", "ort-tensorrt", "tensorrt")
+# Sampling options that beam search (deterministic, scored with the model's own logprobs) cannot honour.
+NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed", "logprobs", "stop")
 
 
 def backend_options(f):
     """--backend/--threads, shared by every command that runs an artifact."""
     f = click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: physical cores).")(f)
     return click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="ort-cpu", show_default=True, help="Execution backend.")(f)
+
+
+def speculative_options(f):
+    """--speculative/--draft/--num-draft-tokens, shared by generate and serve."""
+    f = click.option("--num-draft-tokens", type=int, default=4, show_default=True,
+                     help="Tokens drafted per step for --speculative.")(f)
+    f = click.option("--draft", type=click.Path(path_type=str), default=None,
+                     help="Draft model artifact for --speculative draft (same tokenizer, smaller model).")(f)
+    return click.option("--speculative", type=click.Choice(["ngram", "draft"]), default=None,
+                        help="Speculative decoding: ngram (prompt lookup, no second model) or draft (--draft ART).")(f)
+
+
+def check_speculative_options(ctx: click.Context, speculative: str | None) -> None:
+    if speculative is None:
+        for name in ("draft", "num_draft_tokens"):
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                raise InputError(f"--{name.replace('_', '-')} applies to speculative decoding: add --speculative")
 
 
 def register(cli: click.Group) -> None:
@@ -30,56 +52,134 @@ def register(cli: click.Group) -> None:
     @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable); it is not printed.")
     @click.option("--ignore-eos", is_flag=True, help="Keep going past end-of-sequence tokens.")
     @click.option("--logprobs", type=int, default=None, help="Report each token's logprob and the top N alternatives (with --json).")
+    @click.option("--num-beams", type=int, default=1, show_default=True,
+                  help="Beam search with this many beams (deterministic; prints the best, --json lists all).")
+    @click.option("--length-penalty", type=float, default=1.0, show_default=True,
+                  help="Beam score = logprob / length**PENALTY (> 0 favours longer hypotheses).")
+    @click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false", show_default=True,
+                  is_flag=False, flag_value="true", help="Beam search stopping rule, as transformers' (flag alone: true).")
+    @speculative_options
     @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message with the model's chat template.")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming text.")
     @backend_options
-    def generate(artifact, prompt, as_json, chat, backend, threads, **sampling):
-        """Generate a continuation of PROMPT, streaming text to stdout as it is produced."""
+    @click.pass_context
+    def generate(ctx, artifact, prompt, as_json, chat, backend, threads, num_beams, length_penalty, early_stopping,
+                 speculative, draft, num_draft_tokens, **sampling):
+        """Generate a continuation of PROMPT, streaming text to stdout as it is produced.
+
+        \b
+        llmx generate ./art "def fibonacci(n):" --temperature 0
+        llmx generate ./art "$(cat code.py)" --temperature 0 --speculative ngram
+        llmx generate ./art "def fibonacci(n):" --speculative draft --draft ./small-art
+        llmx generate ./art "The capital of France" --num-beams 4 --length-penalty 0.8 --json
+        """
         from llmx.runtime.chat import render_chat
         from llmx.runtime.engine import Engine
         from llmx.runtime.sampling import SamplingParams
 
+        check_speculative_options(ctx, speculative)
+        beams = _beam_params(ctx, num_beams, length_penalty, early_stopping, speculative, sampling)
         params = SamplingParams(**{**sampling, "stop": list(sampling["stop"])}).validate()
         engine = Engine.load(artifact, backend=backend, threads=threads)
         text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
         ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
-        from llmx.runtime.generate import generate as run
+        if beams is not None:
+            return _run_beams(engine, ids, beams, as_json)
+        drafter = None
+        if speculative:
+            from llmx.runtime.drafters import make_drafter
 
-        start = time.perf_counter()
-        first: list[float] = []
+            drafter = make_drafter(speculative, engine, num_draft_tokens, draft, backend=backend, threads=threads)
+        _run(engine, ids, params, as_json, drafter)
 
-        def on_event(event):
-            if not first:
-                first.append(time.perf_counter())
-            if not as_json and event[1]:
-                sys.stdout.write(event[1])
-                sys.stdout.flush()
 
-        seq = run(engine.backend, engine.tokenizer, [ids], params, on_event=on_event)[0]
-        elapsed = time.perf_counter() - start
-        n = len(seq.output_ids)
-        ttft = first[0] - start if first else elapsed
-        decode_rate = (n - 1) / (elapsed - ttft) if n > 1 and elapsed > ttft else 0.0
-        if as_json:
-            result = {
-                "text": seq.text,
-                "finish_reason": seq.finish_reason,
-                "prompt_tokens": len(ids),
-                "completion_tokens": n,
-                "token_ids": seq.output_ids,
-                "ttft_ms": round(ttft * 1e3, 2),
-                "decode_tokens_per_s": round(decode_rate, 2),
-            }
-            if params.logprobs is not None:
-                result["logprobs"] = [
-                    {"token": lp.text, "token_id": lp.token_id, "logprob": lp.logprob,
-                     "top_logprobs": [{"token": t, "token_id": i, "logprob": v} for i, t, v in lp.top]}
-                    for lp in seq.logprobs
-                ]
-            click.echo(json.dumps(result, ensure_ascii=False))
-        else:
-            sys.stdout.write("\n")
-            click.echo(
-                f"[{n} tokens, finish_reason={seq.finish_reason}, TTFT {ttft * 1e3:.0f} ms, {decode_rate:.1f} tok/s]",
-                err=True,
-            )
+def _beam_params(ctx, num_beams: int, length_penalty: float, early_stopping: str, speculative, sampling: dict):
+    """BeamParams for --num-beams > 1 (refusing options beam search cannot honour), else None."""
+    from llmx.runtime.beam import BeamParams
+
+    given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE  # noqa: E731
+    if num_beams == 1:
+        for name in ("length_penalty", "early_stopping"):
+            if given(name):
+                raise InputError(f"--{name.replace('_', '-')} applies to beam search: add --num-beams N (N > 1)")
+        return None
+    if speculative:
+        raise InputError("beam search and speculative decoding do not combine: drop --speculative or --num-beams")
+    for name in NOT_FOR_BEAMS:
+        if given(name):
+            what = "stop strings are" if name == "stop" else f"--{name.replace('_', '-')} is"
+            raise InputError(f"{what} not supported with beam search (it is deterministic and scores with the "
+                             "model's own log-probabilities)")
+    stopping = {"true": True, "false": False}.get(early_stopping, early_stopping)
+    return BeamParams(num_beams=num_beams, max_new_tokens=sampling["max_new_tokens"], length_penalty=length_penalty,
+                      early_stopping=stopping, ignore_eos=sampling["ignore_eos"]).validate()
+
+
+def _run_beams(engine, ids: list[int], params, as_json: bool) -> None:
+    from llmx.runtime.beam import BeamSearch
+
+    start = time.perf_counter()
+    search = BeamSearch(engine.backend, ids, params, engine.tokenizer.eos_token_ids)
+    hypotheses = search.run()
+    elapsed = time.perf_counter() - start
+    decode = engine.tokenizer.decode
+    best = hypotheses[0]
+    if not as_json:
+        click.echo(decode(best.token_ids))
+        click.echo(f"[best of {params.num_beams} beams: {len(best.token_ids)} tokens, score {best.score:.4f}, "
+                   f"finish_reason={best.finish_reason}, {elapsed:.2f} s]", err=True)
+        return
+    beams = [{"text": decode(h.token_ids), "token_ids": h.token_ids, "score": h.score, "logprob": h.logprob,
+              "finish_reason": h.finish_reason} for h in hypotheses]
+    click.echo(json.dumps({
+        "text": beams[0]["text"], "finish_reason": best.finish_reason, "prompt_tokens": len(ids),
+        "completion_tokens": len(best.token_ids), "token_ids": best.token_ids, "score": best.score, "beams": beams,
+        "num_beams": params.num_beams, "elapsed_ms": round(elapsed * 1e3, 2),
+        "kv_slots_copied": search.copied_slots, "kv_slots_gather_would_copy": search.gather_slots,
+    }, ensure_ascii=False))
+
+
+def _run(engine, ids: list[int], params, as_json: bool, drafter) -> None:
+    from llmx.runtime.generate import generate as run
+
+    start = time.perf_counter()
+    first: list[float] = []
+
+    def on_event(event):
+        if not first:
+            first.append(time.perf_counter())
+        if not as_json and event[1]:
+            sys.stdout.write(event[1])
+            sys.stdout.flush()
+
+    seq = run(engine.backend, engine.tokenizer, [ids], params, on_event=on_event, drafter=drafter)[0]
+    elapsed = time.perf_counter() - start
+    n = len(seq.output_ids)
+    ttft = first[0] - start if first else elapsed
+    decode_rate = (n - 1) / (elapsed - ttft) if n > 1 and elapsed > ttft else 0.0
+    spec = {"method": drafter.name, "num_draft_tokens": drafter.num_tokens, **drafter.stats.summary()} if drafter else None
+    if not as_json:
+        sys.stdout.write("\n")
+        extra = (f", speculative {spec['method']}: {spec['accepted']}/{spec['drafted']} drafts accepted "
+                 f"({spec['acceptance_rate']:.0%}), {spec['tokens_per_step']:.2f} tokens/step") if spec else ""
+        click.echo(f"[{n} tokens, finish_reason={seq.finish_reason}, TTFT {ttft * 1e3:.0f} ms, {decode_rate:.1f} tok/s{extra}]",
+                   err=True)
+        return
+    result = {
+        "text": seq.text,
+        "finish_reason": seq.finish_reason,
+        "prompt_tokens": len(ids),
+        "completion_tokens": n,
+        "token_ids": seq.output_ids,
+        "ttft_ms": round(ttft * 1e3, 2),
+        "decode_tokens_per_s": round(decode_rate, 2),
+    }
+    if spec:
+        result["speculative"] = spec
+    if params.logprobs is not None:
+        result["logprobs"] = [
+            {"token": lp.text, "token_id": lp.token_id, "logprob": lp.logprob,
+             "top_logprobs": [{"token": t, "token_id": i, "logprob": v} for i, t, v in lp.top]}
+            for lp in seq.logprobs
+        ]
+    click.echo(json.dumps(result, ensure_ascii=False))

@@ -2,7 +2,7 @@ import socket
 
 import click
 
-from llmx.commands.generate import backend_options
+from llmx.commands.generate import backend_options, check_speculative_options, speculative_options
 from llmx.errors import InputError
 
 
@@ -32,9 +32,13 @@ def register(cli: click.Group) -> None:
     @click.option("--quiet", is_flag=True, help="No per-request access log lines.")
     @click.option("--spin/--no-spin", default=False, show_default=True,
                   help="Let ONNX Runtime threads busy-wait between operators (only on cores the HTTP threads do not need).")
+    @click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=256, show_default=True,
+                  help="KV memory for reusing shared prompt prefixes across requests (0 turns it off).")
+    @speculative_options
     @backend_options
-    def serve(artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
-              backend, threads):
+    @click.pass_context
+    def serve(ctx, artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
+              prefix_cache_mb, speculative, draft, num_draft_tokens, backend, threads):
         """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
         
@@ -54,9 +58,12 @@ def register(cli: click.Group) -> None:
 
         from llmx.serve import create_app
 
+        check_speculative_options(ctx, speculative)
         listener = _listen(host, port)  # a busy port fails before the model loads
         app = create_app(artifact, model_name=model_name, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                         api_key=api_key, max_body_bytes=max_body_kb * 1024, backend=backend, threads=threads, spin=spin)
+                         api_key=api_key, max_body_bytes=max_body_kb * 1024, backend=backend, threads=threads, spin=spin,
+                         prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
+                         num_draft_tokens=num_draft_tokens)
         service = app.extensions["llmx"]
         service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
         logging.basicConfig(level=logging.INFO, format="%(message)s")

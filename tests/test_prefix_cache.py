@@ -1,0 +1,164 @@
+"""Prefix caching: a request whose prompt starts with cached blocks gets exactly the tokens a cold
+request gets, the prefill graph does not run for the cached part (counted on the real backend),
+usage reports ``prompt_tokens_details.cached_tokens``, and memory stays under the budget with
+least-recently-used blocks (tails first) evicted."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from live_server import LiveServer
+from llmx.runtime.engine import Engine
+from llmx.runtime.generate import generate
+from llmx.runtime.sampling import SamplingParams
+from llmx.runtime.sequence import Sequence
+from llmx.serve.prefix_cache import PrefixCache
+from llmx.serve.scheduler import Scheduler
+
+SYSTEM = ("You are a careful Python reviewer. Answer with code only, keep the style of the file, and never "
+          "change behaviour you were not asked to change.\n")
+
+
+class CountingBackend:
+    """The real backend, counting the tokens each graph computes."""
+
+    def __init__(self, backend):
+        self.backend, self.prefill_tokens, self.decode_tokens = backend, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def prefill(self, cache, rows, prompts, padding="right"):
+        self.prefill_tokens += sum(len(p) for p in prompts)
+        return self.backend.prefill(cache, rows, prompts, padding)
+
+    def decode(self, cache, input_ids):
+        self.decode_tokens += input_ids.size
+        return self.backend.decode(cache, input_ids)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_artifact):
+    loaded = Engine.load(llama_artifact, threads=1)
+    return Engine(loaded.artifact, loaded.manifest, CountingBackend(loaded.backend), loaded.tokenizer)
+
+
+@contextmanager
+def scheduler_for(engine, **options):
+    scheduler = Scheduler(lambda: engine, **options).start()
+    try:
+        assert scheduler.ready.wait(30)
+        yield scheduler
+    finally:
+        scheduler.stop()
+
+
+def run(scheduler, engine, prompt: list[int], **params) -> Sequence:
+    seq = Sequence(prompt, SamplingParams(**params), engine.tokenizer, engine.max_seq_len)
+    ticket = scheduler.submit([seq])
+    assert ticket.done.wait(60)
+    return seq
+
+
+@pytest.mark.parametrize("chunk", [256, 8])  # warm prompts prefilled at once, or chunk by chunk
+def test_warm_request_skips_prefill_of_the_cached_prefix_and_matches_cold(engine, chunk):
+    backend = engine.backend
+    system = engine.encode(SYSTEM)
+    first, second = system + engine.encode("def add(a, b):"), system + engine.encode("class Stack:")
+    params = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
+    reference = [generate(backend, engine.tokenizer, [p], SamplingParams(**params))[0].output_ids for p in (first, second)]
+    with scheduler_for(engine, prefill_chunk=chunk, prefix_cache_bytes=64 << 20) as scheduler:
+        a = run(scheduler, engine, first, **params)
+        prefills, computed = backend.prefill_tokens, backend.prefill_tokens + backend.decode_tokens
+        b = run(scheduler, engine, second, **params)
+        assert a.output_ids == reference[0] and b.output_ids == reference[1]
+        cached = (len(system) // 16) * 16
+        assert a.cached_tokens == 0 and b.cached_tokens == cached > 0
+        assert backend.prefill_tokens == prefills  # the prefill graph never ran for the warm request
+        work = backend.prefill_tokens + backend.decode_tokens - computed
+        assert work == len(second) - cached + params["max_new_tokens"] - 1  # the uncached rest, then decode steps
+        value = scheduler.metrics.registry.get_sample_value
+        assert value("llmx_prefix_cache_hit_tokens_total") == cached
+        assert 0 < value("llmx_prefix_cache_bytes") == scheduler.prefix_cache.nbytes
+
+
+def test_generated_tokens_are_cached_for_the_next_turn(engine):
+    """A chat's next turn starts with the previous prompt and answer: those blocks are reused."""
+    params = dict(max_new_tokens=40, temperature=0, ignore_eos=True)
+    with scheduler_for(engine, prefix_cache_bytes=64 << 20) as scheduler:
+        turn1 = engine.encode(SYSTEM)
+        answer = run(scheduler, engine, turn1, **params)
+        turn2 = turn1 + answer.output_ids + engine.encode("\nand now in one line")
+        again = run(scheduler, engine, turn2, **params)
+        assert again.cached_tokens == ((len(turn1) + len(answer.output_ids) - 1) // 16) * 16  # the last token was never cached
+        assert again.cached_tokens > len(turn1)
+
+
+def test_lookup_walks_chained_blocks_and_leaves_a_token_to_compute(engine):
+    backend, cache = engine.backend, PrefixCache(1 << 30, block=4)
+    ids = engine.encode(SYSTEM)[:13]
+    kv = backend.new_cache(1, len(ids))
+    backend.prefill(kv, [0], [ids])
+    assert cache.lookup(ids) is None
+    assert cache.insert(ids, kv, 0) == 3  # 13 tokens: three full blocks of 4
+    hit, entries = cache.lookup(ids + [5, 6])
+    assert hit == 12
+    for mine, ref in zip(entries, kv.read(0, 0, 12)):
+        np.testing.assert_array_equal(mine, ref)
+    assert cache.lookup(ids[:12])[0] == 8  # the last prompt token is always computed
+    assert cache.lookup([ids[0] + 1] + ids[1:]) is None  # a different first block: no later block matches
+    assert cache.lookup(ids[:4] + [0, 0, 0, 0] + ids[8:])[0] == 4  # same block 3 after another block 2: no hit
+
+
+def test_memory_stays_under_budget_and_chains_lose_their_tails_first(engine):
+    backend = engine.backend
+    kv = engine.manifest.kv
+    block_bytes = 2 * kv["num_layers"] * kv["num_kv_heads"] * 4 * kv["head_dim"] * 4  # k+v, layers, heads, 4 slots, fp32
+    cache = PrefixCache(3 * block_bytes, block=4)
+    ids = engine.encode(SYSTEM)[:17]
+    kv = backend.new_cache(1, len(ids))
+    backend.prefill(kv, [0], [ids])
+    cache.insert(ids, kv, 0)  # four blocks offered, three fit: the chain's tail went
+    assert len(cache) == 3 and cache.nbytes <= cache.max_bytes and cache.evictions == 1
+    assert cache.lookup(ids)[0] == 12
+    other = engine.encode("import os, sys\n" * 3)[:9]
+    kv2 = backend.new_cache(1, len(other))
+    backend.prefill(kv2, [0], [other])
+    cache.insert(other, kv2, 0)  # two new blocks: the older chain loses its last two blocks
+    assert cache.lookup(ids)[0] == 4 and cache.lookup(other)[0] == 8
+    assert PrefixCache(block_bytes - 1, block=4).insert(ids, kv, 0) == 0  # a block over the budget is never kept
+
+
+def test_usage_reports_cached_tokens_over_http(llama_artifact):
+    system = SYSTEM * 2
+    with LiveServer(artifact=llama_artifact, threads=1, max_batch=2, prefix_cache_mb=16) as live:
+        client = live.client(max_retries=0, timeout=60)
+        first = client.completions.create(model="llama", prompt=system + "def add(a, b):", max_tokens=4, temperature=0)
+        warm = client.completions.create(model="llama", prompt=system + "class Stack:", max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert warm.usage.prompt_tokens_details.cached_tokens >= 16
+        ids = live.service.scheduler.engine.encode(system + "import os")  # a token-id prompt over 64 tokens
+        assert len(ids) > 64
+        as_ids = client.completions.create(model="llama", prompt=ids, max_tokens=4, temperature=0)
+        assert as_ids.usage.prompt_tokens == len(ids) and as_ids.usage.prompt_tokens_details.cached_tokens >= 16
+        chunks = list(client.chat.completions.create(
+            model="llama", messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+            max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}))
+        again = client.chat.completions.create(
+            model="llama", messages=[{"role": "system", "content": system}, {"role": "user", "content": "hello"}],
+            max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True})
+        usage = list(again)[-1].usage
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+        assert usage.prompt_tokens_details.cached_tokens >= 16 and usage.prompt_tokens > usage.prompt_tokens_details.cached_tokens
+
+
+def test_prefix_cache_off_reports_zero(llama_artifact):
+    with LiveServer(artifact=llama_artifact, threads=1, prefix_cache_mb=0) as live:
+        client = live.client(max_retries=0, timeout=60)
+        for _ in range(2):
+            out = client.completions.create(model="llama", prompt=SYSTEM * 2, max_tokens=2, temperature=0)
+            assert out.usage.prompt_tokens_details.cached_tokens == 0
+        assert live.scheduler.prefix_cache is None
