@@ -194,17 +194,6 @@ def test_graphs_with_contrib_ops_quantize_every_weight_matmul(settings, contrib_
     assert 0.8 < manifest.extras["quality"]["perplexity_ratio"] < 1.25
 
 
-@pytest.fixture(scope="module")
-def demo_artifact(tmp_path_factory) -> Path:
-    """The built-in demo model (real weights, trained on the stdlib), exported."""
-    import llmx
-    from llmx.export import export_checkpoint
-
-    out = tmp_path_factory.mktemp("demo") / "art"
-    export_checkpoint(Path(llmx.__file__).parent / "demo_model", out)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("settings, max_ratio", [
     (dict(scheme="w8a8", smoothquant=0.5), 1.02),
