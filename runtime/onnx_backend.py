@@ -16,6 +16,7 @@ import numpy as np
 from llmx.errors import ArtifactError, InputError, LlmxError
 from llmx.manifest import Manifest
 from llmx.runtime.kv_cache import KVCache
+from llmx.runtime.step_inputs import decode_inputs, prompt_inputs
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -112,17 +113,9 @@ class OrtBackend:
 
     def prefill(self, cache: KVCache, rows: list[int], prompts: list[list[int]], padding: str = "right") -> np.ndarray:
         """Run whole prompts; write their KV into ``rows``; return last-position logits [n, V]."""
-        lengths = [len(p) for p in prompts]
-        if min(lengths) < 1:
-            raise InputError("a prompt must have at least one token")
-        width = max(lengths)
+        ids, mask, positions, lengths = prompt_inputs(prompts, padding)
+        width = ids.shape[1]
         cache.ensure_capacity(width)
-        ids = np.zeros((len(prompts), width), np.int64)
-        mask = np.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            span = slice(width - len(p), width) if padding == "left" else slice(0, len(p))
-            ids[i, span], mask[i, span] = p, 1
-        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         outputs = self.sessions["prefill"].run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
         self.prefill_calls += 1
         logits, presents = outputs[0], outputs[1:]
@@ -149,8 +142,7 @@ class OrtBackend:
         lengths = cache.lengths[first_row : first_row + n]
         total = int(lengths.max()) + t
         cache.ensure_capacity(total)
-        positions = lengths[:, None] + np.arange(t, dtype=np.int64)[None]
-        mask = (np.arange(total)[None] < (lengths + t)[:, None]).astype(np.int64)
+        positions, mask = decode_inputs(lengths, t, total)
         b = self._binding
         b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         b.bind_cpu_input("position_ids", positions)

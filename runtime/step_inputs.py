@@ -1,5 +1,4 @@
-"""The small integer inputs of a prefill or decode call, for the device backends (the CPU
-backend builds the same arrays inline).
+"""The small integer inputs of a prefill or decode call, shared by every backend.
 
 Positions come from the mask (``cumsum - 1``), so left- and right-padded batches give each
 row the same positions it would have alone; a token at position p is stored in KV slot p.

@@ -85,12 +85,17 @@ class EmbeddingBatcher:
         self.embedder = None
         self.load_error: str | None = None
         self.load_exception: BaseException | None = None
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # the embedder is loaded and the loop runs
+        self.settled = threading.Event()  # loading is over, one way or the other
         self.thread = threading.Thread(target=self._run, name="llmx-embeddings", daemon=True)
 
     def start(self) -> "EmbeddingBatcher":
         self.thread.start()
         return self
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
 
     def submit(self, ids: list[list[int]]) -> _Request:
         request = _Request(ids)
@@ -109,7 +114,8 @@ class EmbeddingBatcher:
             self.load_error, self.load_exception = str(exc) or type(exc).__name__, exc
             return
         finally:
-            self.ready.set()
+            self.settled.set()
+        self.ready.set()
         while True:
             batch = [self.queue.get()]
             while sum(len(r.ids) for r in batch) < self.max_batch_inputs:
@@ -144,31 +150,19 @@ class EmbeddingService(BaseService):
     endpoints = ("/v1/embeddings",)
 
     def __init__(self, batcher: EmbeddingBatcher, model_name: str, api_key: str | None, max_body_bytes: int):
-        super().__init__(batcher.metrics, model_name, api_key, max_body_bytes=max_body_bytes)
+        super().__init__(batcher, model_name, api_key, max_body_bytes=max_body_bytes)
         self.batcher = batcher
 
-    def wait_loaded(self) -> None:
-        self.batcher.ready.wait()
-        if self.batcher.load_exception is not None:
-            raise self.batcher.load_exception
-
     def embedder(self):
-        self.check_process()
-        if self.batcher.load_error:
-            raise ApiError(503, f"model failed to load: {self.batcher.load_error}", code="model_not_loaded")
-        if not self.batcher.ready.is_set():
-            raise ApiError(503, "model is loading", code="model_not_ready", retry_after=RETRY_AFTER_S)
+        self.check_loaded()
         return self.batcher.embedder
 
     def ready(self) -> dict:
         self.embedder()
         return {"status": "ready", "model": self.model_name, "waiting": self.batcher.queue.qsize()}
 
-    def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmx"}
-        if self.batcher.ready.is_set() and self.batcher.embedder is not None:
-            card["max_model_len"] = self.batcher.embedder.max_tokens
-        return {"object": "list", "data": [card]}
+    def max_model_len(self) -> int | None:
+        return self.batcher.embedder.max_tokens if self.batcher.embedder is not None else None
 
     def embed(self, raw: bytes) -> dict:
         self.check_size(raw)

@@ -25,13 +25,13 @@ class LlmxReplica:
 
     def __init__(self, artifact: str, **options):
         self.service = build_service(artifact, **options)
-        self.service.scheduler.ready.wait()  # take traffic only once the engine is loaded
-        if self.service.scheduler.load_error:
-            raise RuntimeError(f"llmx engine failed to load: {self.service.scheduler.load_error}")
+        self.service.worker.ready.wait()  # take traffic only once the engine is loaded
+        if self.service.worker.load_error:
+            raise RuntimeError(f"llmx engine failed to load: {self.service.worker.load_error}")
 
     def check_health(self) -> None:
         """Ray Serve calls this; raising makes it replace the replica."""
-        if not self.service.scheduler.alive:
+        if not self.service.worker.alive:
             raise RuntimeError("llmx scheduler thread stopped")
 
     async def __call__(self, request):

@@ -90,9 +90,11 @@ class BaseService:
     kind = "decoder"
     endpoints = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, metrics: Metrics, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
+    def __init__(self, worker, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.metrics, self.model_name, self.api_key = metrics, model_name, api_key
+        # The worker thread owns the model: a Scheduler (decoders) or an EmbeddingBatcher
+        # (encoders). Both load it in their own thread and expose ready/settled/alive/load_error.
+        self.worker, self.metrics, self.model_name, self.api_key = worker, worker.metrics, model_name, api_key
         self.keepalive_s, self.max_body_bytes = keepalive_s, max_body_bytes
         self.pid = os.getpid()
         self.created = int(time.time())
@@ -118,7 +120,27 @@ class BaseService:
 
     def wait_loaded(self) -> None:
         """Block until the model has loaded; re-raise its load error (the CLI prints one line)."""
-        raise NotImplementedError
+        self.worker.settled.wait()
+        if self.worker.load_exception is not None:
+            raise self.worker.load_exception
+
+    def check_loaded(self) -> None:
+        """A 503 until the worker has loaded the model, or with the reason it could not."""
+        self.check_process()
+        if self.worker.load_error:
+            raise ApiError(503, f"model failed to load: {self.worker.load_error}", code="model_not_loaded")
+        if not self.worker.ready.is_set() or not self.worker.alive:
+            raise ApiError(503, "model is loading", code="model_not_ready", retry_after=RETRY_AFTER_S)
+
+    def max_model_len(self) -> int | None:
+        """The longest input the loaded model takes (None while loading)."""
+        return None
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmx"}
+        if self.worker.ready.is_set() and (limit := self.max_model_len()) is not None:
+            card["max_model_len"] = limit
+        return {"object": "list", "data": [card]}
 
     def wrong_kind(self, endpoint: str) -> ApiError:
         return ApiError(400, f"model '{self.model_name}' ({self.kind}) does not serve {endpoint}; "
@@ -134,22 +156,13 @@ class BaseService:
 class Service(BaseService):
     def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        super().__init__(scheduler.metrics, model_name, api_key, keepalive_s, max_body_bytes)
+        super().__init__(scheduler, model_name, api_key, keepalive_s, max_body_bytes)
         self.scheduler = scheduler
-
-    def wait_loaded(self) -> None:
-        self.scheduler.settled.wait()
-        if self.scheduler.load_exception is not None:
-            raise self.scheduler.load_exception
 
     # -- checks --------------------------------------------------------------------------------
 
     def engine(self):
-        self.check_process()
-        if self.scheduler.load_error:
-            raise ApiError(503, f"model failed to load: {self.scheduler.load_error}", code="model_not_loaded")
-        if not self.scheduler.ready.is_set() or not self.scheduler.alive:
-            raise ApiError(503, "model is loading", code="model_not_ready", retry_after=RETRY_AFTER_S)
+        self.check_loaded()
         return self.scheduler.engine
 
     # -- endpoints -----------------------------------------------------------------------------
@@ -160,11 +173,8 @@ class Service(BaseService):
         running, waiting = self.scheduler.counts()
         return {"status": "ready", "model": self.model_name, "running": running, "waiting": waiting}
 
-    def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmx"}
-        if self.scheduler.ready.is_set():
-            card["max_model_len"] = self.scheduler.engine.max_seq_len
-        return {"object": "list", "data": [card]}
+    def max_model_len(self) -> int | None:
+        return self.scheduler.engine.max_seq_len if self.scheduler.engine is not None else None
 
     def generate(self, raw: bytes, chat: bool) -> dict | "EventStream":
         """A completion: the whole answer as a dict, or an EventStream of SSE text."""

@@ -14,9 +14,8 @@ class LiveServer:
     def __init__(self, **app_options):
         self.app = create_app(**app_options)
         self.service = self.app.extensions["llmx"]
-        # Decoders run a Scheduler, encoders an EmbeddingBatcher: both have `ready`/`load_error`.
+        self.worker = self.service.worker  # a Scheduler (decoders) or an EmbeddingBatcher (encoders)
         self.scheduler = getattr(self.service, "scheduler", None)
-        self.worker = self.scheduler or self.service.batcher
         self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
