@@ -1,15 +1,21 @@
 """llmx against onnxruntime-genai, transformers eager and llama.cpp on one CPU, side by side.
 
-    python benchmarks/compare_cpu.py [--rounds 5] [--engines llmx,genai,genai-2t,llamacpp,...]
+    python benchmarks/compare_cpu.py [--rounds 5] [--engines fp32,quantized | llmx,genai,llmx-w8,...]
 
 Builds (once, cached in benchmarks/.cache/) a SmolLM-135M-shaped Llama checkpoint with random
 weights, exports and optimizes it with llmx, builds the onnxruntime-genai fp32 model and the
-llama.cpp f32 GGUF from the same checkpoint. Every engine then runs in its own process (its
-own peak RSS), all loaded at once and taking turns run by run, so that the background load of
-a shared machine falls on all of them alike: after a warm-up, ``--rounds`` greedy generations
-each of the same prompt token ids (EOS ignored), then a decode-step sweep over context lengths.
-Ratios to onnxruntime-genai are taken within each round, then the median is reported.
-Finally ``llmx bench --json`` runs on the optimized artifact (the command users run).
+llama.cpp f32 GGUF from the same checkpoint. Quantized engines: llmx w8/w4 (``llmx calibrate``
+on the optimized or the portable artifact, with stdlib source as calibration text),
+onnxruntime-genai int8/int4 (its model builder) and llama.cpp Q8_0/Q4_0 (its quantizer on the
+f32 GGUF). ``--engines`` takes engine names and the groups ``fp32`` and ``quantized``.
+
+Every engine then runs in its own process (its own peak RSS), all loaded at once and taking
+turns run by run, so that the background load of a shared machine falls on all of them alike:
+after a warm-up, ``--rounds`` greedy generations each of the same prompt token ids (EOS
+ignored), then a decode-step sweep over context lengths. Ratios to onnxruntime-genai (the
+genai build of the same precision, and genai fp32) are taken within each round, then the median
+is reported. Finally ``llmx bench --json`` runs on the first llmx engine's artifact (the command
+users run).
 
 Writes benchmarks/results/cpu_<date>.{json,md,png}: the markdown table (absolute numbers and
 ratios) and the plot of decode tok/s against context length. The peers live in their own
@@ -23,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -30,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from peers import PEERS_PYTHON, build_genai, build_gguf, has_module  # noqa: E402
+from peers import PEERS_PYTHON, build_genai, build_gguf, has_module, quantize_gguf  # noqa: E402
 from report import write_report  # noqa: E402
 from smollm_shape import SMOLLM_135M, build_checkpoint  # noqa: E402
 
@@ -47,24 +54,101 @@ ENGINES = {
     "transformers": ("transformers", "ckpt", sys.executable, []),
     "llamacpp": ("llamacpp", "gguf", PEERS_PYTHON, []),
     "llamacpp-2t": ("llamacpp", "gguf", PEERS_PYTHON, ["--threads", "2"]),
+    "llmx-w8": ("llmx", "art-opt-w8", sys.executable, []),
+    "llmx-w8-portable": ("llmx", "art-w8", sys.executable, []),
+    "llmx-w8-1t": ("llmx", "art-opt-w8", sys.executable, ["--threads", "1"]),
+    "llmx-w8-spin": ("llmx", "art-opt-w8", sys.executable, ["--spin"]),
+    "llmx-w4": ("llmx", "art-opt-w4", sys.executable, []),
+    "llmx-w4-portable": ("llmx", "art-w4", sys.executable, []),
+    "llmx-w4-1t": ("llmx", "art-opt-w4", sys.executable, ["--threads", "1"]),
+    "genai-int8": ("genai", "genai-int8", PEERS_PYTHON, []),
+    "genai-int8-2t": ("genai", "genai-int8", PEERS_PYTHON, ["--threads", "2"]),
+    "genai-int4": ("genai", "genai-int4", PEERS_PYTHON, []),
+    "genai-int4-2t": ("genai", "genai-int4", PEERS_PYTHON, ["--threads", "2"]),
+    "llamacpp-q8": ("llamacpp", "gguf-q8_0", PEERS_PYTHON, []),
+    "llamacpp-q4": ("llamacpp", "gguf-q4_0", PEERS_PYTHON, []),
 }
+GROUPS = {
+    "fp32": ["llmx", "llmx-spin", "genai", "genai-2t", "llamacpp", "llamacpp-2t", "transformers", "llmx-portable"],
+    # genai and llmx fp32 stay in: the quantized rows are also compared with genai fp32.
+    "quantized": ["llmx-w8", "llmx-w8-portable", "genai-int8", "genai-int8-2t", "llamacpp-q8", "llmx-w4",
+                  "llmx-w4-portable", "genai-int4", "genai-int4-2t", "llamacpp-q4", "genai", "llmx"],
+}
+# The last part of a model's name says its precision; each precision has its genai baseline.
+PRECISION = {"w8": "int8", "int8": "int8", "q8_0": "int8", "w4": "int4", "int4": "int4", "q4_0": "int4"}
+GENAI_OF = {"fp32": "genai", "int8": "genai-int8", "int4": "genai-int4"}
 
 
-def prepare(cache: Path, engines: list[str], log) -> dict[str, Path]:
-    """Model paths by kind, building what is missing."""
-    ckpt = build_checkpoint(cache / "ckpt")
-    paths = {"ckpt": ckpt, "art": cache / "art", "art-opt": cache / "art-opt"}
-    if not (paths["art"] / "llmx.json").is_file():
-        log("llmx export")
-        subprocess.run([LLMX, "export", str(ckpt), "-o", str(paths["art"])], check=True)
-    if not (paths["art-opt"] / "llmx.json").is_file():
-        log("llmx optimize")
-        subprocess.run([LLMX, "optimize", str(paths["art"]), "-o", str(paths["art-opt"])], check=True)
-    if any(ENGINES[e][0] == "genai" for e in engines):
-        paths["genai"] = build_genai(ckpt, cache / "genai-fp32", log)
-    if "llamacpp" in engines:
-        paths["gguf"] = build_gguf(ckpt, cache / "smollm-f32.gguf", log)
+def precision(engine: str) -> str:
+    return PRECISION.get(ENGINES[engine][1].rsplit("-", 1)[-1], "fp32")
+
+
+def select(spec: str) -> list[str]:
+    """Engine names from a comma list of names and groups, in order, each once."""
+    names = [n for item in spec.split(",") if item for n in GROUPS.get(item, [item])]
+    unknown = [e for e in names if e not in ENGINES]
+    if unknown:
+        sys.exit(f"unknown engines {unknown}; choose from {', '.join(ENGINES)} or the groups {', '.join(GROUPS)}")
+    return list(dict.fromkeys(names))
+
+
+def _llmx(args: list[str]) -> None:
+    subprocess.run([LLMX, *args], check=True)
+
+
+def build_model(key: str, cache: Path, paths: dict[str, Path], calib_data: Path, log) -> Path:
+    """The model called ``key`` (see ENGINES), building it and what it comes from if missing."""
+    if key in paths:
+        return paths[key]
+    out = cache / key
+    if key == "ckpt":
+        path = build_checkpoint(out)
+    elif key in ("art", "art-opt"):
+        if not (out / "llmx.json").is_file():
+            source = ["export", str(build_model("ckpt", cache, paths, calib_data, log))] if key == "art" else \
+                ["optimize", str(build_model("art", cache, paths, calib_data, log))]
+            log(f"llmx {source[0]}")
+            _llmx([*source, "-o", str(out)])
+        path = out
+    elif key.startswith("art"):  # art-w8, art-opt-w4, ...: llmx calibrate on the fp32 artifact
+        source, scheme = key.rsplit("-", 1)
+        if not (out / "llmx.json").is_file():
+            log(f"llmx calibrate {source} --scheme {scheme}")
+            _llmx(["calibrate", str(build_model(source, cache, paths, calib_data, log)), "--data", str(calib_data),
+                   "--scheme", scheme, "-o", str(out)])
+        path = out
+    elif key.startswith("genai"):
+        precision_name = key.split("-", 1)[1] if "-" in key else "fp32"
+        path = build_genai(build_model("ckpt", cache, paths, calib_data, log), cache / f"genai-{precision_name}", log,
+                           precision_name)
+    elif key == "gguf":
+        path = build_gguf(build_model("ckpt", cache, paths, calib_data, log), cache / "smollm-f32.gguf", log)
+    else:  # gguf-q8_0, gguf-q4_0
+        ftype = key.split("-", 1)[1]
+        path = quantize_gguf(build_model("gguf", cache, paths, calib_data, log), cache / f"smollm-{ftype}.gguf", ftype, log)
+    paths[key] = path
+    return path
+
+
+def prepare(cache: Path, engines: list[str], calib_data: Path, log) -> dict[str, Path]:
+    """Model paths by name, building what is missing."""
+    paths: dict[str, Path] = {}
+    for engine in engines:
+        build_model(ENGINES[engine][1], cache, paths, calib_data, log)
     return paths
+
+
+def quality_reports(engines: list[str], paths: dict[str, Path]) -> dict[str, dict]:
+    """What ``llmx calibrate`` measured for each quantized llmx engine (its artifact's quality.json)."""
+    reports = {}
+    for engine in engines:
+        report = paths[ENGINES[engine][1]] / "quality.json"
+        if ENGINES[engine][0] == "llmx" and report.is_file():
+            q = json.loads(report.read_text())
+            reports[engine] = {k: q[k] for k in ("scheme", "perplexity_ratio", "top1_agreement", "mean_kl", "tokens")}
+            reports[engine]["graph_bytes"] = q["quantized"]["graph_bytes"]
+            reports[engine]["fp32_graph_bytes"] = q["fp32"]["graph_bytes"]
+    return reports
 
 
 class Worker:
@@ -132,29 +216,28 @@ def llmx_bench_cli(artifact: Path, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default="llmx,llmx-spin,genai,genai-2t,llamacpp,llamacpp-2t,transformers,llmx-portable")
+    ap.add_argument("--engines", default="fp32,quantized", help=f"engine names and groups ({', '.join(GROUPS)})")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--contexts", default="64,128,256,512,1024")
     ap.add_argument("--sweep-steps", type=int, default=16)
     ap.add_argument("--sweep-passes", type=int, default=3, help="median over passes per context length")
+    ap.add_argument("--calib-data", type=Path, default=Path(sysconfig.get_paths()["stdlib"]) / "email",
+                    help="llmx calibrate --data for the w8/w4 artifacts (default: the stdlib's email package)")
     ap.add_argument("--cache", type=Path, default=HERE / ".cache")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
     log = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
-    engines = [e for e in args.engines.split(",") if e]
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
-        sys.exit(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
+    engines = select(args.engines)
     if any(ENGINES[e][0] == "genai" for e in engines) and not has_module("onnxruntime_genai"):
         sys.exit("onnxruntime-genai is not installed in the peers venv: run benchmarks/setup_peers.sh")
-    if "llamacpp" in engines and not has_module("llama_cpp"):
+    if any(ENGINES[e][0] == "llamacpp" for e in engines) and not has_module("llama_cpp"):
         log("llama-cpp-python is not installed in the peers venv; leaving llama.cpp out")
-        engines.remove("llamacpp")
+        engines = [e for e in engines if ENGINES[e][0] != "llamacpp"]
     contexts = [int(c) for c in args.contexts.split(",")]
-    paths = prepare(args.cache, engines, log)
+    paths = prepare(args.cache, engines, args.calib_data, log)
     prompt_file = write_prompts(args.cache / "prompts.json", args.prompt_len, contexts)
 
     load_start = round(os.getloadavg()[0], 2)
@@ -168,14 +251,18 @@ def main() -> None:
     finally:
         for w in workers:
             w.close()
-    cli = llmx_bench_cli(paths["art-opt"], args)
+    first_llmx = next((e for e in engines if ENGINES[e][0] == "llmx"), None)
     meta = {
         "model": {k: SMOLLM_135M[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                               "num_key_value_heads", "intermediate_size", "vocab_size")},
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": 1, "rounds": args.rounds,
         "contexts": contexts, "baseline": BASELINE, "wall_s": round(time.time() - started),
+        "same_precision_baseline": {e: GENAI_OF[precision(e)] for e in engines if GENAI_OF[precision(e)] in engines},
+        "precision": {e: precision(e) for e in engines},
         "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg_1m_at_start": load_start,
-        "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "llmx_bench_cli": cli,
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "calibration_data": str(args.calib_data), "llmx_quality": quality_reports(engines, paths),
+        "llmx_bench_cli": llmx_bench_cli(paths[ENGINES[first_llmx][1]], args) if first_llmx else None,
     }
     out = write_report(results, meta, args.out)
     print(out["md"].read_text())

@@ -1,8 +1,10 @@
 """Building the peers' models from the benchmark checkpoint (each with the peer's own tools).
 
-onnxruntime-genai: its model builder (``python -m onnxruntime_genai.models.builder``), fp32, CPU.
+onnxruntime-genai: its model builder (``python -m onnxruntime_genai.models.builder``), CPU,
+fp32, int8 or int4 (its own weight-only MatMulNBits quantization, builder defaults).
 llama.cpp: the ``convert_hf_to_gguf.py`` that ships inside the installed llama-cpp-python's
-source distribution (same llama.cpp version as the library), f32.
+source distribution (same llama.cpp version as the library), f32; Q8_0 and Q4_0 are quantized
+from that f32 GGUF by llama.cpp's own ``llama_model_quantize`` (``gguf_quantize.py``).
 """
 
 from __future__ import annotations
@@ -23,19 +25,21 @@ def has_module(name: str) -> bool:
     return subprocess.run([str(PEERS_PYTHON), "-c", f"import {name}"], capture_output=True).returncode == 0
 
 
-def _peers(args: list[str], log) -> None:
-    out = subprocess.run([str(PEERS_PYTHON), *args], capture_output=True, text=True)
+def _peers(args: list[str], log, cwd: Path | None = None) -> None:
+    out = subprocess.run([str(PEERS_PYTHON), *args], capture_output=True, text=True, cwd=cwd)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:3])} failed:\n{out.stderr[-3000:]}")
 
 
-def build_genai(ckpt: Path, out: Path, log) -> Path:
+def build_genai(ckpt: Path, out: Path, log, precision: str = "fp32") -> Path:
     if (out / "genai_config.json").is_file():
         return out
-    log("onnxruntime-genai model builder (fp32, cpu)")
+    log(f"onnxruntime-genai model builder ({precision}, cpu)")
     with tempfile.TemporaryDirectory() as cache:
-        _peers(["-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", "fp32", "-e", "cpu",
-                "-c", cache], log)
+        # cwd: `python -m` puts it first on sys.path, where benchmarks/quantization.py would
+        # shadow the builder's own `quantization` package.
+        _peers(["-m", "onnxruntime_genai.models.builder", "-i", str(ckpt), "-o", str(out), "-p", precision, "-e", "cpu",
+                "-c", cache], log, cwd=Path(cache))
     return out
 
 
@@ -64,5 +68,16 @@ def build_gguf(ckpt: Path, out: Path, log) -> Path:
     log("llama.cpp convert_hf_to_gguf (f32)")
     tmp = out.with_suffix(".tmp")
     _peers([str(HERE / "gguf_convert.py"), str(src), str(ckpt), str(tmp)], log)
+    shutil.move(tmp, out)
+    return out
+
+
+def quantize_gguf(f32: Path, out: Path, ftype: str, log) -> Path:
+    """``ftype`` (q8_0, q4_0) from the f32 GGUF with llama.cpp's own quantizer, llama.cpp's defaults."""
+    if out.is_file():
+        return out
+    log(f"llama.cpp quantize ({ftype})")
+    tmp = out.with_suffix(".tmp")
+    _peers([str(HERE / "gguf_quantize.py"), str(f32), str(tmp), ftype], log)
     shutil.move(tmp, out)
     return out
