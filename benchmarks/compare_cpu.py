@@ -54,6 +54,7 @@ ENGINES = {
     "transformers": ("transformers", "ckpt", sys.executable, []),
     "llamacpp": ("llamacpp", "gguf", PEERS_PYTHON, []),
     "llamacpp-2t": ("llamacpp", "gguf", PEERS_PYTHON, ["--threads", "2"]),
+    "llmx-lowmem": ("llmx", "art-opt", sys.executable, ["--low-memory"]),
     "llmx-w8": ("llmx", "art-opt-w8", sys.executable, []),
     "llmx-w8-portable": ("llmx", "art-w8", sys.executable, []),
     "llmx-w8-1t": ("llmx", "art-opt-w8", sys.executable, ["--threads", "1"]),
@@ -69,7 +70,8 @@ ENGINES = {
     "llamacpp-q4": ("llamacpp", "gguf-q4_0", PEERS_PYTHON, []),
 }
 GROUPS = {
-    "fp32": ["llmx", "llmx-spin", "genai", "genai-2t", "llamacpp", "llamacpp-2t", "transformers", "llmx-portable"],
+    "fp32": ["llmx", "llmx-spin", "llmx-lowmem", "genai", "genai-2t", "llamacpp", "llamacpp-2t", "transformers",
+             "llmx-portable"],
     # genai and llmx fp32 stay in: the quantized rows are also compared with genai fp32.
     "quantized": ["llmx-w8", "llmx-w8-portable", "genai-int8", "genai-int8-2t", "llamacpp-q8", "llmx-w4",
                   "llmx-w4-portable", "genai-int4", "genai-int4-2t", "llamacpp-q4", "genai", "llmx"],
@@ -191,7 +193,8 @@ def measure(workers: list[Worker], args, log) -> dict[str, dict]:
         log(f"context sweep: {w.name}")
         results[w.name]["sweep"] = w.ask(f"sweep {args.sweep_steps} {args.sweep_passes}")
     for w in workers:
-        results[w.name]["peak_rss_mb"] = w.ask("rss")["peak_rss_mb"]
+        memory = w.ask("rss")
+        results[w.name].update(peak_rss_mb=memory["peak_rss_mb"], pss_mb=memory.get("pss_mb"))
     return results
 
 

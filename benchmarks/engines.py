@@ -1,6 +1,6 @@
 """One benchmark engine in its own process, driven line by line over stdin/stdout.
 
-    python benchmarks/engines.py ENGINE MODEL --prompt FILE [--threads N] [--no-spin]
+    python benchmarks/engines.py ENGINE MODEL --prompt FILE [--threads N] [--no-spin] [--low-memory]
 
 ENGINE is ``llmx`` (an llmx artifact, timed with the code ``llmx bench`` runs), ``genai``
 (onnxruntime-genai), ``transformers`` (eager PyTorch) or ``llamacpp`` (llama-cpp-python).
@@ -29,10 +29,12 @@ import numpy as np
 
 
 class Llmx:
-    def __init__(self, model: str, threads: int | None, spin: bool | None):
+    def __init__(self, model: str, threads: int | None, spin: bool | None, low_memory: bool = False):
         from llmx.runtime.engine import Engine
 
         options = {} if spin is None else {"spin": spin}
+        if low_memory:
+            options["low_memory"] = True
         self.engine = Engine.load(model, threads=threads, **options)
 
     def generate(self, prompt: list[int], new_tokens: int):
@@ -132,6 +134,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def pss_mb() -> float | None:
+    """Proportional set size now: a file page mapped twice (llmx --low-memory maps weights.bin once
+    per graph) or by several processes counts once, where RSS counts it per mapping."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+    except (OSError, StopIteration):
+        return None
+
+
 def serve(engine, prompts: dict) -> None:
     for line in sys.stdin:
         cmd, *rest = line.split()
@@ -147,7 +159,7 @@ def serve(engine, prompts: dict) -> None:
                     times[c].append(float(np.median(engine.generate(p, n + 1)[1])) * 1e3)
             reply = {c: float(np.median(t)) for c, t in times.items()}
         elif cmd == "rss":
-            reply = {"peak_rss_mb": peak_rss_mb()}
+            reply = {"peak_rss_mb": peak_rss_mb(), "pss_mb": pss_mb()}
         else:
             reply = {"error": f"unknown command {cmd!r}"}
         print(json.dumps(reply), flush=True)
@@ -161,10 +173,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--spin", dest="spin", action="store_true", default=None)
     ap.add_argument("--no-spin", dest="spin", action="store_false")
+    ap.add_argument("--low-memory", action="store_true", help="llmx only: the backend's low_memory mode")
     args = ap.parse_args()
     prompts = json.load(open(args.prompt))
     t0 = time.perf_counter()
-    engine = ENGINES[args.engine](args.model, args.threads, args.spin)
+    extra = {"low_memory": True} if args.low_memory else {}
+    if extra and args.engine != "llmx":
+        sys.exit("--low-memory is an llmx option")
+    engine = ENGINES[args.engine](args.model, args.threads, args.spin, **extra)
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb()}), flush=True)
     serve(engine, prompts)
 

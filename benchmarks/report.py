@@ -27,6 +27,7 @@ LABELS = {
     "llamacpp-2t": "llama.cpp (f32, 2 threads)",
     "llmx-w8": "llmx w8 (optimized, calibrate w8)",
     "llmx-w8-portable": "llmx w8 (portable export, calibrate w8)",
+    "llmx-lowmem": "llmx (optimized, fp32, --low-memory)",
     "llmx-w8-spin": "llmx w8 (optimized, spinning on)",
     "llmx-w8-1t": "llmx w8 (optimized, 1 thread)",
     "llmx-w4-1t": "llmx w4 (optimized, 1 thread)",
@@ -69,6 +70,7 @@ def summarize(results: dict[str, dict], baseline: str, prompt_len: int,
         row = {k: _median([m[k] for m in runs]) for k in ("ttft_ms", "tpot_ms", "decode_tokens_per_s")}
         row.update(tpot_p50_ms=float(np.percentile(steps, 50)), tpot_p90_ms=float(np.percentile(steps, 90)),
                    prefill_tokens_per_s=prompt_len / (row["ttft_ms"] / 1e3), peak_rss_mb=res["peak_rss_mb"],
+                   pss_mb=res.get("pss_mb"),
                    load_s=res["load_s"], runs=len(runs))
         if baseline in metrics:
             r = _ratios(runs, metrics[baseline])
@@ -103,8 +105,8 @@ def _table(summary: dict[str, dict], meta: dict) -> list[str]:
     twin_head = "decode x genai same precision | TTFT x genai same precision | " if twins else ""
     lines = [
         f"| engine | decode tok/s | {twin_head}decode x genai fp32 | TTFT ms | TTFT x genai fp32 | TPOT p50 / p90 ms | "
-        f"prefill tok/s | peak RSS MB | step {last} / step {first} | greedy tokens = transformers |",
-        "|---|" + "---:|" * (11 if twins else 9),
+        f"prefill tok/s | peak RSS MB | PSS MB | step {last} / step {first} | greedy tokens = transformers |",
+        "|---|" + "---:|" * (12 if twins else 10),
     ]
     for engine, row in summary.items():
         same = row.get("tokens_matching_transformers")
@@ -116,7 +118,8 @@ def _table(summary: dict[str, dict], meta: dict) -> list[str]:
             f"| {LABELS.get(engine, engine)} | {row['decode_tokens_per_s']:.1f} | {twin_cells}"
             f"{_fmt(row.get('decode_x_baseline'), '.2f')} | {row['ttft_ms']:.0f} | {_fmt(row.get('ttft_x_baseline'), '.2f')} | "
             f"{row['tpot_p50_ms']:.1f} / {row['tpot_p90_ms']:.1f} | {row['prefill_tokens_per_s']:.0f} | "
-            f"{row['peak_rss_mb']:.0f} | {_fmt(row.get('step_ratio_last_vs_first'), '.2f')} | {same} |"
+            f"{row['peak_rss_mb']:.0f} | {_fmt(row.get('pss_mb'), '.0f')} | {_fmt(row.get('step_ratio_last_vs_first'), '.2f')} | "
+            f"{same} |"
         )
     return lines
 

@@ -46,6 +46,7 @@ class BenchResult:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     peak_rss_mb: float
+    pss_mb: float | None  # memory now, shared file pages counted once (Linux); see pss_mb()
     runs: list[dict]  # per timed run: ttft_ms, tpot_ms, decode_tokens_per_s
     token_ids: list[int]  # what row 0 generated in the last run (to compare engines' outputs)
 
@@ -93,6 +94,16 @@ def peak_rss_mb() -> float:
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
+def pss_mb() -> float | None:
+    """Proportional set size now (Linux, else None). RSS counts a file page once per mapping, so
+    ``--low-memory``'s weights.bin, mapped by both graphs, shows twice in RSS and once here."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+    except (OSError, StopIteration):
+        return None
+
+
 def bench(backend, tokenizer, prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
           repeat: int = 3, warmup: int = 1) -> BenchResult:
     """Warm up, then ``repeat`` timed runs; medians of each metric over the runs."""
@@ -127,6 +138,7 @@ def bench(backend, tokenizer, prompt_len: int = 128, new_tokens: int = 128, batc
         prefill_tokens_per_s=round(batch * prompt_len / (ttft / 1e3), 2),
         decode_tokens_per_s=round(med("decode_tokens_per_s"), 2),
         peak_rss_mb=round(peak_rss_mb(), 1),
+        pss_mb=None if (pss := pss_mb()) is None else round(pss, 1),
         runs=[{k: round(v, 4) for k, v in r.items()} for r in per_run],
         token_ids=runs[-1].token_ids,
     )

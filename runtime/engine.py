@@ -21,6 +21,18 @@ from llmx.runtime.tokenizer import Tokenizer
 BACKENDS = ("ort-cpu", "ort-cuda", "ort-tensorrt", "tensorrt")
 
 
+def engine_options(backend: str, threads: int | None, low_memory: bool = False, spin: bool | None = None) -> dict:
+    """Engine.load keyword arguments from the backend options (the ONNX Runtime CPU-only ones checked)."""
+    if low_memory and backend != "ort-cpu":
+        raise InputError(f"--low-memory applies to --backend ort-cpu, not {backend}")
+    options = {"threads": threads}
+    if spin is not None and backend.startswith("ort-"):  # an ONNX Runtime thread-pool setting
+        options["spin"] = spin
+    if low_memory:
+        options["low_memory"] = True
+    return options
+
+
 def make_backend(artifact: Path, manifest: Manifest, name: str, **options):
     if name == "ort-cpu":
         from llmx.runtime.onnx_backend import OrtBackend

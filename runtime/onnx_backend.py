@@ -31,7 +31,7 @@ def _ort():
     return require("onnxruntime", "running ONNX graphs", "cpu")
 
 
-def session_options(threads: int | None = None, optimization: str = "all", spin: bool = False):
+def session_options(threads: int | None = None, optimization: str = "all", spin: bool = False, prepack: bool = True):
     ort = _ort()
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or _physical_cores()
@@ -50,6 +50,13 @@ def session_options(threads: int | None = None, optimization: str = "all", spin:
     # descheduled spinner stalls every op (measured here: decode 2-3x slower with 2 spinning threads
     # than without, docs/performance.md); off, the cost is ~10% on an idle box. Dedicated boxes may turn it on.
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if not prepack:
+        # ONNX Runtime memory-maps weights.bin (its tensors sit on 64 KiB boundaries) but then
+        # copies every MatMul weight into a packed layout, once per session. Without that copy the
+        # kernels read the mapped file: prefill and decode (and every process serving the same
+        # artifact) share one copy in the page cache. SmolLM shape, fp32: 1164 -> 650 MB PSS,
+        # decode ~5 % and TTFT ~10 % slower (docs/performance.md).
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     opts.log_severity_level = 3
     return opts
 
@@ -67,7 +74,7 @@ class OrtBackend:
     """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
-                 optimization: str | None = None, spin: bool = False):
+                 optimization: str | None = None, spin: bool = False, low_memory: bool = False):
         ort = _ort()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -78,7 +85,13 @@ class OrtBackend:
         # cost load time. A later stage (calibrate's Q/DQ) needs them again, so only the last stage counts.
         last = manifest.lineage[-1] if manifest.lineage else {}
         hint = last.get("session_options", {}).get("graph_optimization_level") if last.get("stage") == "optimize" else None
-        opts = session_options(threads, optimization or hint or "all", spin)
+        if low_memory and manifest.precision.get("scheme"):
+            # MatMulNBits and the int8 kernels compute from their packed weights only: measured 20x
+            # slower decode without them, for a third less memory.
+            raise InputError(f"--low-memory applies to unquantized artifacts; this one is "
+                             f"{manifest.precision['scheme']} (its kernels need their packed weights)")
+        self.low_memory = low_memory
+        opts = session_options(threads, optimization or hint or "all", spin, prepack=not low_memory)
         self.sessions = {}
         for name in ("prefill", "decode"):
             graph = manifest.graphs.get(name)

@@ -33,14 +33,17 @@ DEFAULT_PREFIX_CACHE_MB = 256
 def build_service(artifact: str | Path | None = None, *, engine=None, model_name: str | None = None,
                   max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
-                  threads: int | None = None, spin: bool = False, prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB,
-                  speculative: str | None = None, draft: str | None = None, num_draft_tokens: int = 4) -> "Service":
+                  threads: int | None = None, spin: bool = False, low_memory: bool = False,
+                  prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, speculative: str | None = None,
+                  draft: str | None = None, num_draft_tokens: int = 4) -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
     ``api_key`` defaults to the LLMX_API_KEY environment variable; without either, no key is asked.
     ``spin`` lets ONNX Runtime's threads spin between operators: off by default, because the
     server's HTTP threads need the same cores (measured: 1.7x faster decode without it on a
-    busy 2-core host, docs/serving.md). ``prefix_cache_mb`` bounds the prefix cache (0: off);
+    busy 2-core host, docs/serving.md). ``low_memory`` (ort-cpu, unquantized artifacts) serves from
+    one memory-mapped copy of the weights, shared with other processes serving the same artifact
+    (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off);
     ``speculative`` ("ngram" or "draft" with ``draft``, an artifact) drafts ``num_draft_tokens``
     per step for every request (docs/decoding.md).
     """
@@ -54,7 +57,7 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
     name = model_name or Path(artifact or engine.artifact).resolve().name
     if engine is None:
         from llmx.manifest import load_manifest
-        from llmx.runtime.engine import Engine
+        from llmx.runtime.engine import Engine, engine_options
 
         manifest = load_manifest(artifact)  # a wrong path fails here, loudly, not later in the scheduler thread
         if manifest.kind == "encoder":
@@ -64,7 +67,7 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
                 raise InputError("speculative decoding applies to text generation; this artifact is an encoder")
             return build_embedding_service(artifact, name, key, max_batch=max_batch, max_queue=max_queue,
                                            max_body_bytes=max_body_bytes, threads=threads)
-        options = {"threads": threads, **({"spin": spin} if backend.startswith("ort-") else {})}
+        options = engine_options(backend, threads, low_memory, spin)
         load = lambda: Engine.load(artifact, backend=backend, **options)  # noqa: E731
     else:
         load = lambda: engine  # noqa: E731

@@ -31,7 +31,7 @@ def register(cli: click.Group) -> None:
                   help="Let ONNX Runtime's idle threads busy-wait (faster on a dedicated CPU, slower on a shared one).")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
     @backend_options
-    def bench(artifact, prompt_len, new_tokens, batch, repeat, warmup, contexts, spin, as_json, backend, threads):
+    def bench(artifact, prompt_len, new_tokens, batch, repeat, warmup, contexts, spin, as_json, backend, threads, low_memory):
         """Measure TTFT, per-token latency, throughput and peak memory of greedy generation.
 
         \b
@@ -40,15 +40,14 @@ def register(cli: click.Group) -> None:
         """
         from llmx.runtime.bench import bench as run_bench
         from llmx.runtime.bench import context_sweep
-        from llmx.runtime.engine import Engine
+        from llmx.runtime.engine import Engine, engine_options
 
         contexts = _contexts(contexts)
-        options = {"spin": spin} if backend.startswith("ort-") else {}  # an ONNX Runtime thread-pool setting
-        engine = Engine.load(artifact, backend=backend, threads=threads, **options)
+        engine = Engine.load(artifact, backend=backend, **engine_options(backend, threads, low_memory, spin))
         result = run_bench(engine.backend, engine.tokenizer, prompt_len, new_tokens, batch, repeat, warmup).to_dict()
         sessions = getattr(engine.backend, "sessions", {})
         used = sessions["decode"].get_session_options().intra_op_num_threads if "decode" in sessions else threads
-        result.update(artifact=str(artifact), backend=backend, threads=used, spin=spin,
+        result.update(artifact=str(artifact), backend=backend, threads=used, spin=spin, low_memory=low_memory,
                       optimized=bool(engine.manifest.stage_applied("optimize")))
         if contexts:
             sweep = context_sweep(engine.backend, engine.tokenizer, contexts, batch=batch)
@@ -72,6 +71,8 @@ def _table(r: dict) -> str:
         f"  decode      {r['decode_tokens_per_s']:10.1f} tok/s",
         f"  peak RSS    {r['peak_rss_mb']:10.0f} MB",
     ]
+    if r.get("pss_mb") is not None:
+        lines.append(f"  PSS now     {r['pss_mb']:10.0f} MB   (shared pages counted once)")
     for c, ms in r.get("decode_step_ms_by_context", {}).items():
         lines.append(f"  step @ {c:>6} {ms:8.2f} ms")
     if "step_ratio_last_vs_first" in r:

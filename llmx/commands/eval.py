@@ -16,14 +16,15 @@ def register(cli: click.Group) -> None:
                   help="Also score this artifact (e.g. the fp32 one) and report top-1 agreement and mean KL.")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
     @backend_options
-    def evaluate(artifact, data, samples, seq_len, reference, as_json, backend, threads):
+    def evaluate(artifact, data, samples, seq_len, reference, as_json, backend, threads, low_memory):
         """Perplexity of ARTIFACT on text (windows of --seq-len tokens, scored by the decode graph)."""
         from llmx.calibration.data import pick_windows, read_text_data, token_windows
         from llmx.errors import InputError
-        from llmx.runtime.engine import Engine
+        from llmx.runtime.engine import Engine, engine_options
         from llmx.runtime.evaluate import agreement, perplexity
 
-        engine = Engine.load(artifact, backend=backend, threads=threads)
+        options = engine_options(backend, threads, low_memory)
+        engine = Engine.load(artifact, backend=backend, **options)
         if seq_len > engine.max_seq_len:
             raise InputError(f"--seq-len {seq_len} exceeds the model's maximum length {engine.max_seq_len}")
         text = read_text_data(data)
@@ -34,7 +35,7 @@ def register(cli: click.Group) -> None:
             score = perplexity(engine.backend, windows)
             result.update(perplexity=score.perplexity, tokens=score.tokens, windows=score.windows)
         else:
-            ref = Engine.load(reference, backend=backend, threads=threads)
+            ref = Engine.load(reference, backend=backend, **options)
             summary = agreement(ref.backend, engine.backend, windows).summary()
             result.update(reference=reference, **summary)
         if as_json:

@@ -38,7 +38,7 @@ def register(cli: click.Group) -> None:
     @backend_options
     @click.pass_context
     def serve(ctx, artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
-              prefix_cache_mb, speculative, draft, num_draft_tokens, backend, threads):
+              prefix_cache_mb, speculative, draft, num_draft_tokens, backend, threads, low_memory):
         """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
         
@@ -62,7 +62,7 @@ def register(cli: click.Group) -> None:
         listener = _listen(host, port)  # a busy port fails before the model loads
         app = create_app(artifact, model_name=model_name, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
                          api_key=api_key, max_body_bytes=max_body_kb * 1024, backend=backend, threads=threads, spin=spin,
-                         prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
+                         low_memory=low_memory, prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
                          num_draft_tokens=num_draft_tokens)
         service = app.extensions["llmx"]
         service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
