@@ -136,7 +136,9 @@ def peak_rss_mb() -> float:
 
 def pss_mb() -> float | None:
     """Proportional set size now: a file page mapped twice (llmx --low-memory maps weights.bin once
-    per graph) or by several processes counts once, where RSS counts it per mapping."""
+    per graph) or by several processes counts once, where RSS counts it per mapping. The same as
+    llmx.runtime.bench.pss_mb, kept here because genai and llama.cpp run this file in the peers'
+    venv, which has no llmx."""
     try:
         with open("/proc/self/smaps_rollup") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024

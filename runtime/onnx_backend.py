@@ -16,7 +16,7 @@ import numpy as np
 from llmx.errors import ArtifactError, InputError, LlmxError
 from llmx.manifest import Manifest
 from llmx.runtime.kv_cache import KVCache
-from llmx.runtime.step_inputs import decode_inputs, prompt_inputs
+from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 
 PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -152,14 +152,8 @@ class OrtBackend:
 
     def _decode(self, cache: KVCache, input_ids: np.ndarray, first_row: int) -> np.ndarray:
         n, t = input_ids.shape
-        lengths = cache.lengths[first_row : first_row + n]
-        total = int(lengths.max()) + t
-        cache.ensure_capacity(total)
-        positions, mask = decode_inputs(lengths, t, total)
         b = self._binding
-        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        b.bind_cpu_input("position_ids", positions)
-        b.bind_cpu_input("attention_mask", mask)
+        bind_decode_inputs(b, cache, input_ids, first_row)
         # Bindings persist between runs: rebind the 2 x layers KV buffers only when they changed.
         # Holding the bound list keeps its arrays alive, so no new cache can reuse their addresses.
         bound = self._bound_kv

@@ -27,7 +27,7 @@ from llmx.optimize.trt_profiles import BuildLimits, axis_ranges, graph_profile, 
 from llmx.optimize.trt_records import llmx_cache_dir
 from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, kv_io_names, scratch_presents, take_prompts
 from llmx.runtime.onnx_backend import PROVIDERS, _ort, session_options
-from llmx.runtime.step_inputs import decode_inputs, prompt_inputs
+from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 
 GPU_HINT = "pip install 'llmx[gpu]' instead of 'llmx[cpu]' (onnxruntime-gpu; the two cannot be installed together)"
 
@@ -149,14 +149,8 @@ class OrtDeviceBackend:
     def decode(self, cache: DeviceKVCache, input_ids: np.ndarray) -> np.ndarray:
         """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
         n, t = input_ids.shape
-        lengths = cache.lengths[:n]
-        total = int(lengths.max()) + t
-        cache.ensure_capacity(total)
-        positions, mask = decode_inputs(lengths, t, total)
         b = self._decode_binding
-        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        b.bind_cpu_input("position_ids", positions)
-        b.bind_cpu_input("attention_mask", mask)
+        bind_decode_inputs(b, cache, input_ids)
         shape = (n, self.kv_heads, cache.capacity, self.head_dim)
         self._bind_kv(b, self.past_names, shape, cache.buffers, output=False)
         self._bind_kv(b, self.present_names, shape, cache.buffers, output=True)

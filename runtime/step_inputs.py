@@ -31,3 +31,16 @@ def decode_inputs(lengths: np.ndarray, t: int, width: int) -> tuple[np.ndarray, 
     positions = lengths[:, None] + np.arange(t, dtype=np.int64)[None]
     mask = (np.arange(width)[None] < (lengths + t)[:, None]).astype(np.int64)
     return positions, mask
+
+
+def bind_decode_inputs(binding, cache, input_ids: np.ndarray, first_row: int = 0) -> None:
+    """An ONNX Runtime decode step of ``input_ids`` [n, T] on cache rows ``first_row``..: grow the
+    cache to hold it and bind its ids, positions and mask (host arrays) to ``binding``."""
+    n, t = input_ids.shape
+    lengths = cache.lengths[first_row : first_row + n]
+    total = int(lengths.max()) + t
+    cache.ensure_capacity(total)
+    positions, mask = decode_inputs(lengths, t, total)
+    binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+    binding.bind_cpu_input("position_ids", positions)
+    binding.bind_cpu_input("attention_mask", mask)
