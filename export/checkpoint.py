@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from llmx.errors import CheckpointError
-from llmx.export.spec import ModelSpec, spec_from_hf_config
+from llmx.spec import ModelSpec, spec_from_hf_config
 
 # (llmx name, HF names relative to a layer or the model, how to combine). "{i}" is the layer.
 _LLAMA = {

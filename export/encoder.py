@@ -20,7 +20,7 @@ from torch import nn
 
 from llmx.errors import CheckpointError
 from llmx.export.modules import MLP, Attention, make_norm
-from llmx.export.spec import ModelSpec
+from llmx.spec import ModelSpec
 
 POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len")
 

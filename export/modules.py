@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmx.export.rope import inv_freq_and_scale
-from llmx.export.spec import ModelSpec
+from llmx.rope import inv_freq_and_scale
+from llmx.spec import ModelSpec
 
 
 class Linear(nn.Module):

@@ -46,7 +46,7 @@ class GraphSpec:
 @dataclass
 class Manifest:
     kind: str
-    model: dict[str, Any]  # the architecture: family, dims, norm, rope, ... (export.spec.ModelSpec)
+    model: dict[str, Any]  # the architecture: family, dims, norm, rope, ... (llmx.spec.ModelSpec)
     graphs: dict[str, GraphSpec]
     tokenizer: dict[str, Any]  # files, bos/eos/pad ids, chat template presence
     precision: dict[str, Any]  # weights/activations dtype, quantization scheme and its settings

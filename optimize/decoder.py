@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmx.errors import ArtifactError
-from llmx.export.rope import cos_sin_tables, inv_freq_and_scale
-from llmx.export.spec import ModelSpec
+from llmx.rope import cos_sin_tables, inv_freq_and_scale
+from llmx.spec import ModelSpec
 from llmx.manifest import GraphSpec
 from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
 from llmx.optimize.weights import SourceWeights

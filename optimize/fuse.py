@@ -14,7 +14,7 @@ from typing import Callable
 
 from llmx.artifact import copy_tokenizer, finish, staged_artifact
 from llmx.errors import ArtifactError, InputError
-from llmx.export.spec import ModelSpec
+from llmx.spec import ModelSpec
 from llmx.manifest import Manifest, load_manifest
 from llmx.onnx_files import describe_graph, save_graphs
 from llmx.optimize.decoder import ACTIVATIONS, build_graph, check_supported

@@ -53,7 +53,7 @@ def test_torch_free_stages_import_nothing_from_torch_at_module_level(stage):
     for path in (ROOT / FOLDERS[stage]).rglob("*.py"):
         for module in llmx_imports(path):
             assert module.split(".")[0] not in ("torch", "transformers"), f"{path} imports {module}"
-            assert stage_of(module) != "export" or module in ("llmx.export.spec", "llmx.export.rope"), f"{path} imports {module}"
+            assert stage_of(module) != "export", f"{path} imports {module}"
 
 
 BLOCK_TORCH = """
