@@ -27,6 +27,7 @@ from llmx.optimize.trt_profiles import BuildLimits, axis_ranges, graph_profile, 
 from llmx.optimize.trt_records import llmx_cache_dir
 from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, kv_io_names, scratch_presents, take_prompts
 from llmx.runtime.onnx_backend import PROVIDERS, _ort, session_options
+from llmx.runtime.ort_cuda_graph import CudaGraphDecode
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 
 GPU_HINT = "pip install 'llmx[gpu]' instead of 'llmx[cpu]' (onnxruntime-gpu; the two cannot be installed together)"
@@ -63,7 +64,8 @@ class OrtDeviceBackend:
     """Runs an artifact's graphs on ONNX Runtime's CUDA or TensorRT provider; same interface as OrtBackend."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cuda", threads: int | None = None,
-                 device: int = 0, optimization: str = "all", workspace_bytes: int | None = None):
+                 device: int = 0, optimization: str = "all", workspace_bytes: int | None = None, spin: bool = False,
+                 cuda_graph: bool | None = None):
         ort = _ort()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -82,8 +84,11 @@ class OrtDeviceBackend:
         self.num_layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
         self.vocab_size = int(manifest.model["vocab_size"])
         self.past_names, self.present_names = kv_io_names(kv)
-        opts = session_options(threads, optimization)
-        self.sessions = {name: self._session(ort, name, provider, opts, workspace_bytes) for name in ("prefill", "decode")}
+        opts = session_options(threads, optimization, spin=spin)  # CPU threads run the nodes the GPU providers leave
+        self.sessions = {"prefill": self._session(ort, "prefill", provider, opts, workspace_bytes)}
+        self.cuda_graph = self._captured_decode(ort, provider, opts) if self._wants_cuda_graph(provider, cuda_graph) else None
+        self.sessions["decode"] = self.cuda_graph.session if self.cuda_graph else self._session(
+            ort, "decode", provider, opts, workspace_bytes)
         self.limit = build_limits(manifest).max_seq_len if provider == "tensorrt" else manifest.max_seq_len
         self.buffers = DeviceBuffers(self.device)
         self._decode_binding = self.sessions["decode"].io_binding()
@@ -110,6 +115,23 @@ class OrtDeviceBackend:
             return ort.InferenceSession(str(path), opts, providers=providers)
         except Exception as exc:
             raise ArtifactError(f"ONNX Runtime cannot load {graph.file} on {provider}: {str(exc).splitlines()[0]}") from exc
+
+    def _wants_cuda_graph(self, provider: str, requested: bool | None) -> bool:
+        """Default: on for the CUDA provider with a portable decode graph (the only kind ORT captures).
+        The CPU provider takes the same path on request, which is how tests run it without a GPU."""
+        portable = self.manifest.graphs["decode"].ops == "portable" if "decode" in self.manifest.graphs else False
+        if requested and (provider == "tensorrt" or not portable):
+            raise InputError("CUDA graphs need --backend ort-cuda and a portable (not optimized) decode graph")
+        return portable and provider == "cuda" if requested is None else requested
+
+    def _captured_decode(self, ort, provider: str, opts) -> CudaGraphDecode:
+        graph = self.manifest.graphs.get("decode")
+        if graph is None:
+            raise ArtifactError("artifact has no decode graph")
+        cuda = {"device_id": str(self.device_index), "use_tf32": "0", "enable_cuda_graph": "1"}
+        providers = [("CUDAExecutionProvider", cuda)] if provider == "cuda" else ["CPUExecutionProvider"]
+        return CudaGraphDecode(ort, self.artifact / graph.file, opts, providers, self.device, self.device_type,
+                               self.device_index, self.vocab_size, self._bind_kv)
 
     @property
     def max_seq_len(self) -> int:
@@ -148,6 +170,8 @@ class OrtDeviceBackend:
 
     def decode(self, cache: DeviceKVCache, input_ids: np.ndarray) -> np.ndarray:
         """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
+        if self.cuda_graph:
+            return self.cuda_graph.step(cache, input_ids, (self.past_names, self.present_names))
         n, t = input_ids.shape
         b = self._decode_binding
         bind_decode_inputs(b, cache, input_ids)

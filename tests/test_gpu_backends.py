@@ -164,6 +164,39 @@ def test_ort_device_backend_generates_what_the_cpu_backend_does(built, device, p
         assert got == [s.output_ids for s in generate(cpu.backend, cpu.tokenizer, prompts, PARAMS, padding)]
 
 
+def test_captured_decode_steps_generate_what_the_cpu_backend_does(built, device, monkeypatch):
+    """The CUDA-graph decode path (fixed buffers per shape, a mask over the whole capacity), run
+    on the CPU provider: same tokens as plain decoding, one buffer set per shape, and evicted
+    shapes free their buffers."""
+    from llmx.runtime import ort_cuda_graph
+    from llmx.runtime.ort_device_backend import OrtDeviceBackend
+
+    monkeypatch.setattr(ort_cuda_graph, "MAX_GRAPHS", 2)
+    art = built("fp32", "split")
+    cpu = Engine.load(art, threads=1)
+    backend = OrtDeviceBackend(art, load_manifest(art), provider="cpu", threads=1, cuda_graph=True)
+    assert backend.cuda_graph is not None and backend.sessions["decode"] is backend.cuda_graph.session
+    prompts = [cpu.encode(p) for p in PROMPTS]
+    for padding in ("right", "left"):
+        got = [s.output_ids for s in generate(backend, cpu.tokenizer, prompts, PARAMS, padding)]
+        assert got == [s.output_ids for s in generate(cpu.backend, cpu.tokenizer, prompts, PARAMS, padding)]
+    steps = backend.cuda_graph.steps
+    assert len(steps) == 2 and backend.cuda_graph.next_id > 2  # rows finishing changed the shape; old ones evicted
+    live = set(device.allocations)
+    assert all(ptr in live for step in steps.values() for ptr in (*step.inputs.values(), step.logits_ptr))
+
+
+def test_cuda_graphs_are_refused_for_fused_graphs(llama_artifact, device, tmp_path):
+    from llmx.optimize.fuse import optimize_artifact
+    from llmx.runtime.ort_device_backend import OrtDeviceBackend
+
+    optimized = tmp_path / "opt"
+    optimize_artifact(llama_artifact, optimized)
+    with pytest.raises(InputError, match="portable"):
+        OrtDeviceBackend(optimized, load_manifest(optimized), provider="cpu", threads=1, cuda_graph=True)
+    assert OrtDeviceBackend(optimized, load_manifest(optimized), provider="cpu", threads=1).cuda_graph is None
+
+
 def test_ort_cuda_with_gpu_onnxruntime_but_no_gpu_is_a_clear_error(llama_artifact, monkeypatch):
     import onnxruntime
 

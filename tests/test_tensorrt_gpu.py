@@ -172,6 +172,22 @@ def test_ort_cuda_backend_matches_the_cpu_backend(built, llama_artifact, precisi
         assert np.abs(a - b).max() <= (1e-3 if precision == "fp32" else FP16_TOLERANCE) * np.abs(b).max()
 
 
+def test_ort_cuda_graph_decode_equals_plain_steps(llama_artifact):
+    """ort-cuda captures portable decode steps as CUDA graphs by default; they must give what
+    plain steps give (checked on an H100 with benchmarks/gpu_verify.py, 2026-11-23)."""
+    from llmx.manifest import load_manifest
+    from llmx.runtime.ort_device_backend import OrtDeviceBackend
+
+    manifest = load_manifest(llama_artifact)
+    graphs = OrtDeviceBackend(llama_artifact, manifest, provider="cuda")
+    plain = OrtDeviceBackend(llama_artifact, manifest, provider="cuda", cuda_graph=False)
+    assert graphs.cuda_graph is not None and plain.cuda_graph is None
+    cpu = Engine.load(llama_artifact, threads=2)
+    prompts = [cpu.encode(p) for p in PROMPTS]
+    for a, b in zip(step_logits(graphs, prompts), step_logits(plain, prompts)):
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
+
+
 def test_ort_tensorrt_backend_matches_the_cpu_backend(trt, llama_artifact, monkeypatch, tmp_path):
     monkeypatch.setenv("LLMX_CACHE_DIR", str(tmp_path))  # engine cache lands here
     gpu = Engine.load(llama_artifact, backend="ort-tensorrt")
