@@ -186,6 +186,18 @@ def test_captured_decode_steps_generate_what_the_cpu_backend_does(built, device,
     assert all(ptr in live for step in steps.values() for ptr in (*step.inputs.values(), step.logits_ptr))
 
 
+@pytest.mark.parametrize("spin", [None, False, True])
+def test_the_device_backend_takes_every_option_bench_and_serve_pass(llama_artifact, device, spin):
+    """`llmx bench --backend ort-cuda` crashed on a GPU: engine_options passed `spin`, which the
+    device backend did not take."""
+    from llmx.runtime.engine import engine_options
+    from llmx.runtime.ort_device_backend import OrtDeviceBackend
+
+    options = engine_options("ort-cuda", 1, False, spin)
+    backend = OrtDeviceBackend(llama_artifact, load_manifest(llama_artifact), provider="cpu", **options)
+    assert backend.sessions["decode"].get_session_options().intra_op_num_threads == 1
+
+
 def test_cuda_graphs_are_refused_for_fused_graphs(llama_artifact, device, tmp_path):
     from llmx.optimize.fuse import optimize_artifact
     from llmx.runtime.ort_device_backend import OrtDeviceBackend
