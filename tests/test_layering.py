@@ -117,3 +117,25 @@ main(['generate', {str(llama_artifact)!r}, 'def', '--max-new-tokens', '5', '--js
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert '"completion_tokens": 5' in proc.stdout
+
+
+def test_the_cli_offers_the_backends_the_runtime_has():
+    from llmx.commands.options import BACKEND_CHOICES
+    from llmx.runtime.engine import BACKENDS
+
+    assert BACKEND_CHOICES == BACKENDS
+
+
+def test_optional_dependencies_come_through_one_door():
+    """tensorrt, polygraphy, ray and gguf come in through llmx.errors.require (one error line naming what
+    to install); a module may import their submodules only after asking require for the package."""
+    optional = ("tensorrt", "polygraphy", "ray", "gguf")
+    bad = []
+    for stage in ORDER:
+        for path in stage_modules(stage):
+            text = path.read_text()
+            for module in llmx_imports(path):
+                package = module.split(".")[0]
+                if package in optional and f'require("{package}' not in text:
+                    bad.append(f"{path.relative_to(ROOT)} imports {module} without require")
+    assert not bad, bad
