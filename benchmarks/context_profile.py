@@ -35,13 +35,13 @@ def profile_steps(art: Path, context: int, steps: int, threads: int | None) -> t
     opts.enable_profiling = True
     opts.profile_file_prefix = os.path.join(tempfile.gettempdir(), "llmx_context_profile")
     session = ort.InferenceSession(str(art / manifest.graphs["decode"].file), opts, providers=["CPUExecutionProvider"])
-    shape = (1, kv["num_kv_heads"], context + 16, kv["head_dim"])
-    buffers = [np.zeros(shape, np.float32) for _ in range(2 * kv["num_layers"])]
+    shape = (1, kv.num_kv_heads, context + 16, kv.head_dim)
+    buffers = [np.zeros(shape, np.float32) for _ in range(2 * kv.num_layers)]
     binding = session.io_binding()
     binding.bind_cpu_input("input_ids", np.array([[9]]))
     binding.bind_cpu_input("position_ids", np.array([[context]]))
     binding.bind_cpu_input("attention_mask", np.ones((1, context + 1), np.int64))
-    names = [(kv["past"].format(i=i, kv=s), kv["present"].format(i=i, kv=s)) for i in range(kv["num_layers"]) for s in ("key", "value")]
+    names = list(zip(kv.past_names(), kv.present_names()))
     for (past, present), buf in zip(names, buffers):
         binding.bind_input(past, "cpu", 0, np.float32, shape, buf.ctypes.data)
         binding.bind_output(present, "cpu", 0, np.float32, shape, buf.ctypes.data)

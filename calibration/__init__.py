@@ -21,7 +21,7 @@ from typing import Callable
 from llmx.calibration.pipeline import Progress, silent
 from llmx.calibration.static import METHODS
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest, load_manifest
+from llmx.manifest import Manifest, Precision, load_manifest
 
 SCHEMES = ("w8a8", "w8", "w4")
 KV_CACHE_DTYPES = ("float32", "int8")
@@ -68,13 +68,13 @@ class CalibrationOptions:
         parts = [self.scheme] if self.scheme else []
         return "+".join(parts + (["kv8"] if self.kv_cache == "int8" else []))
 
-    def precision(self) -> dict:
+    def precision(self) -> Precision:
         """The manifest's ``precision`` section for this scheme."""
         if self.scheme == "w8a8":
-            return {"weights": "int8", "activations": "int8", "scheme": self.scheme, "method": self.method,
-                    "smoothquant": self.smoothquant, "per_channel": self.per_channel, "symmetric": True}
-        return {"weights": "int8" if self.scheme == "w8" else "int4", "activations": "float32", "scheme": self.scheme,
-                "block_size": self.block_size, "symmetric": self.symmetric}
+            return Precision(weights="int8", activations="int8", scheme=self.scheme, method=self.method,
+                             smoothquant=self.smoothquant, per_channel=self.per_channel, symmetric=True)
+        return Precision(weights="int8" if self.scheme == "w8" else "int4", activations="float32", scheme=self.scheme,
+                         block_size=self.block_size, symmetric=self.symmetric)
 
 
 def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, options: CalibrationOptions,
@@ -113,7 +113,7 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
         new = pipeline.write_quantized(src, manifest, tmp, models, weights_dir, options, record)
         if options.kv_cache == "int8":
             kv_int8.mark_kv_int8(new, scales, split.calibration)
-        new.precision["data"] = data_record
+        new.precision.data = data_record
         unit = "sentences" if encoder else "windows"
         log(f"measuring quality on {len(split.evaluation)} held-out {unit}")
         with progress("evaluating", len(split.evaluation)) as bar:
@@ -154,7 +154,7 @@ def check_unquantized(src: Path, manifest: Manifest) -> None:
     from llmx.calibration.matmuls import is_quantized
     from llmx.onnx_files import load_graph
 
-    scheme = manifest.precision.get("scheme")
+    scheme = manifest.precision.scheme
     if scheme or any(is_quantized(load_graph(src / g.file)) for g in manifest.graphs.values()):
         raise ArtifactError(f"{src} is already quantized ({scheme or 'quantized ops in its graphs'}); "
                             "calibrate the fp32 artifact it was made from")

@@ -35,15 +35,13 @@ def decode_splits(length: int) -> list[tuple[int, int]]:
 
 def decode_feed(manifest: Manifest, window: list[int], presents: list[np.ndarray], start: int, count: int) -> dict:
     """Inputs for one decode call: ``count`` tokens after a past of ``start`` real entries."""
-    kv = manifest.kv
     total = start + count
     feed = {
         "input_ids": np.asarray([window[start:total]], dtype=np.int64),
         "attention_mask": np.ones((1, total), dtype=np.int64),
         "position_ids": np.arange(start, total, dtype=np.int64)[None],
     }
-    names = [kv["past"].format(i=i, kv=s) for i in range(manifest.num_layers) for s in ("key", "value")]
-    for name, present in zip(names, presents):
+    for name, present in zip(manifest.kv.past_names(), presents):
         past = np.zeros((1, present.shape[1], total, present.shape[3]), present.dtype)
         past[:, :, :start] = present[:, :, :start]
         feed[name] = past

@@ -23,6 +23,7 @@ ScatterElements; fused GroupQueryAttention graphs are refused.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -172,17 +173,14 @@ def rewrite_decode(model, past: list[str], present: list[str], scales: list[np.n
 
 
 def kv_names(manifest: Manifest) -> tuple[list[str], list[str]]:
-    kv = manifest.kv
-    layers = range(kv["num_layers"])
-    return ([kv["past"].format(i=i, kv=s) for i in layers for s in ("key", "value")],
-            [kv["present"].format(i=i, kv=s) for i in layers for s in ("key", "value")])
+    return manifest.kv.past_names(), manifest.kv.present_names()
 
 
 def check_quantizable(manifest: Manifest) -> None:
     if manifest.kind != "decoder":
         raise InputError(f"an INT8 KV cache applies to decoders; this artifact is an {manifest.kind}")
-    if manifest.kv.get("dtype", "float32") != "float32":
-        raise InputError(f"the KV cache is already {manifest.kv['dtype']}; INT8 KV quantizes a float32 cache")
+    if manifest.kv.dtype != "float32":
+        raise InputError(f"the KV cache is already {manifest.kv.dtype}; INT8 KV quantizes a float32 cache")
 
 
 def quantize_kv_graphs(models: dict, manifest: Manifest, scales: list[np.ndarray]) -> None:
@@ -207,13 +205,13 @@ def calibrate_kv(src: Path, manifest: Manifest, windows: list[list[int]], thread
 
     check_quantizable(manifest)
     backend = make_backend(src, manifest, "ort-cpu", threads=threads)
-    return kv_scales(kv_absmax(backend, windows), rope=manifest.model.get("position") == "rope")
+    return kv_scales(kv_absmax(backend, windows), rope=manifest.model.position == "rope")
 
 
 def mark_kv_int8(manifest: Manifest, scales: list[np.ndarray], windows: list[list[int]]) -> None:
     """Record the int8 cache in a new artifact's manifest (its graphs already describe int8 IO)."""
-    manifest.kv = {**manifest.kv, "dtype": "int8", "quantization": kv_record(scales, windows)}
-    manifest.precision = {**manifest.precision, "kv_cache": "int8"}
+    manifest.kv = dataclasses.replace(manifest.kv, dtype="int8", quantization=kv_record(scales, windows))
+    manifest.precision = dataclasses.replace(manifest.precision, kv_cache="int8")
 
 
 def quantize_kv_artifact(src: str | Path, out: str | Path, windows: list[list[int]], threads: int | None = None,

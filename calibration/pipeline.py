@@ -7,6 +7,7 @@ staged. Graphs are named by their manifest key (``prefill``, ``decode``) through
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -119,7 +120,7 @@ def write_quantized(src: Path, manifest: Manifest, tmp: Path, models: dict, weig
     ops = "portable" if portable else "onnxruntime"
     new = manifest.with_stage("calibrate", scheme=options.scheme, kv_cache=options.kv_cache, **record)
     new.graphs = {name: describe_graph(model, f"{name}.onnx", ops=ops) for name, model in models.items()}
-    new.precision = options.precision() if options.scheme else dict(manifest.precision)
+    new.precision = options.precision() if options.scheme else dataclasses.replace(manifest.precision)
     new.extras = {k: v for k, v in manifest.extras.items() if k != "verify"}
     if options.scheme == "w8a8":
         # Under "calibration", not "tensorrt": that key is `llmx build`'s record of built engines.

@@ -1,6 +1,10 @@
 """User-facing errors. The CLI prints them as one line and exits non-zero; the server maps
 them to 4xx JSON. Raise them where the cause is known, with a message a user can act on."""
 
+from __future__ import annotations
+
+import importlib
+
 
 class LlmxError(Exception):
     """Base class: anything the user can fix (bad path, bad value, unsupported model)."""
@@ -25,16 +29,22 @@ class ArtifactError(LlmxError):
 class MissingDependencyError(LlmxError):
     """An optional dependency (torch, onnx, tensorrt, CUDA) is not installed here."""
 
-    def __init__(self, package: str, purpose: str, extra: str | None = None):
-        hint = f"pip install 'llmx[{extra}]'" if extra else f"pip install {package}"
+    def __init__(self, package: str, purpose: str, extra: str | None = None, hint: str | None = None):
+        hint = hint or (f"pip install 'llmx[{extra}]'" if extra else f"pip install {package}")
         super().__init__(f"{purpose} needs {package}, which is not installed ({hint})")
 
 
-def require(module: str, purpose: str, extra: str | None = None):
-    """Import an optional dependency lazily, or raise a MissingDependencyError that says how to get it."""
-    import importlib
-
+def require(module: str, purpose: str, extra: str | None = None, hint: str | None = None, name: str | None = None):
+    """Import an optional dependency (onnx, onnxruntime, tensorrt, polygraphy, ray, gguf, ...)
+    where it is first needed: the one door for them, so a base install never loads them and a
+    missing or broken one is a single error line that says what to install (``name``: how
+    people spell the package, TensorRT for ``tensorrt``)."""
+    package = module.split(".")[0]
     try:
         return importlib.import_module(module)
-    except ImportError as exc:
-        raise MissingDependencyError(module.split(".")[0], purpose, extra) from exc
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] == package:
+            raise MissingDependencyError(name or package, purpose, extra, hint) from exc
+        raise LlmxError(f"{purpose}: {name or package} is installed but cannot load ({exc})") from exc
+    except (ImportError, OSError) as exc:  # a wheel present but its native (CUDA) libraries missing
+        raise LlmxError(f"{purpose}: {name or package} is installed but cannot load ({exc}); is the CUDA driver installed?") from exc

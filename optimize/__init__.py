@@ -1,1 +1,1 @@
-"""Optimize: graph rewrites for ONNX Runtime (fused kernels) and TensorRT engine builds."""
+"""Optimize (``llmx optimize``): fused ONNX Runtime graphs built from the ModelSpec."""

@@ -24,13 +24,6 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 SLOT_MULTIPLE = 64
 
 
-def kv_io_names(kv: dict) -> tuple[list[str], list[str]]:
-    """Past and present tensor names, layer by layer, key then value (the manifest's ``kv``)."""
-    layers = range(kv["num_layers"])
-    return ([kv["past"].format(i=i, kv=s) for i in layers for s in ("key", "value")],
-            [kv["present"].format(i=i, kv=s) for i in layers for s in ("key", "value")])
-
-
 def host_dtype(name: str) -> np.dtype:
     """numpy dtype for a KV dtype name (bfloat16 through ml_dtypes, which onnx installs)."""
     if name == "bfloat16":

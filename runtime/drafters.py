@@ -163,4 +163,4 @@ def make_drafter(method: str, target, num_tokens: int = 4, draft: str | None = N
 
     engine = Engine.load(draft, **load_options)
     check_same_tokenizer(target.tokenizer, engine.tokenizer)
-    return DraftModelDrafter(engine, int(target.manifest.model["vocab_size"]), num_tokens)
+    return DraftModelDrafter(engine, target.manifest.model.vocab_size, num_tokens)

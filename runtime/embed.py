@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmx.artifact_paths import artifact_file
 from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest, load_manifest
 from llmx.runtime.onnx_backend import _ort, session_options
@@ -31,11 +32,15 @@ class Embedder:
         self.artifact, self.manifest = Path(artifact), manifest
         self.tokenizer = Tokenizer(self.artifact, manifest)
         model = manifest.model
-        self.max_tokens = int(model.get("max_input_tokens") or model["max_position_embeddings"])
-        self.dim = int(model["hidden_size"])
+        self.max_tokens = model.max_input_tokens or model.max_position_embeddings
+        self.dim = model.hidden_size
         self.batch_size = batch_size
         graph = manifest.graphs["embed"]
-        self.session = ort.InferenceSession(str(self.artifact / graph.file), session_options(threads), providers=["CPUExecutionProvider"])
+        path = artifact_file(self.artifact, graph.file, "graphs.embed.file")
+        try:
+            self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
         self.pad_id = self.tokenizer.pad_token_id
         self.tokenizer.truncate_to(self.max_tokens)
 

@@ -1,7 +1,7 @@
 """Engine: an artifact loaded for generation (backend + tokenizer), the runtime's front door.
 
 The CLI, the server and the benchmarks hold an Engine and never ask which backend is inside:
-every backend has ``new_cache``, ``prefill`` and ``decode`` with the same meaning.
+every backend implements ``runtime.backend.Backend`` (``new_cache``, ``prefill``, ``decode``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,14 @@ from typing import Callable
 
 from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest, load_manifest
+from llmx.runtime.backend import Backend
 from llmx.runtime.batch import Event
 from llmx.runtime.generate import generate
+from llmx.runtime.onnx_backend import OrtBackend
+from llmx.runtime.ort_device_backend import OrtDeviceBackend
 from llmx.runtime.sampling import SamplingParams
 from llmx.runtime.sequence import Sequence
+from llmx.runtime.tensorrt_backend import TensorRTBackend
 from llmx.runtime.tokenizer import Tokenizer
 
 BACKENDS = ("ort-cpu", "ort-cuda", "ort-tensorrt", "tensorrt")
@@ -33,18 +37,12 @@ def engine_options(backend: str, threads: int | None, low_memory: bool = False, 
     return options
 
 
-def make_backend(artifact: Path, manifest: Manifest, name: str, **options):
+def make_backend(artifact: Path, manifest: Manifest, name: str, **options) -> Backend:
     if name == "ort-cpu":
-        from llmx.runtime.onnx_backend import OrtBackend
-
         return OrtBackend(artifact, manifest, provider="cpu", **options)
     if name in ("ort-cuda", "ort-tensorrt"):
-        from llmx.runtime.ort_device_backend import OrtDeviceBackend
-
         return OrtDeviceBackend(artifact, manifest, provider=name.removeprefix("ort-"), **options)
     if name == "tensorrt":
-        from llmx.runtime.tensorrt_backend import TensorRTBackend
-
         return TensorRTBackend(artifact, manifest, **options)
     raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
 
@@ -53,7 +51,7 @@ def make_backend(artifact: Path, manifest: Manifest, name: str, **options):
 class Engine:
     artifact: Path
     manifest: Manifest
-    backend: object
+    backend: Backend
     tokenizer: Tokenizer
 
     @classmethod

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.errors import ArtifactError, InputError, LlmxError
+from llmx.artifact_paths import artifact_file
+from llmx.errors import ArtifactError, InputError, LlmxError, require
 from llmx.manifest import Manifest
 from llmx.runtime.kv_cache import KVCache
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
@@ -26,8 +27,6 @@ PROVIDERS = {
 
 
 def _ort():
-    from llmx.errors import require
-
     return require("onnxruntime", "running ONNX graphs", "cpu")
 
 
@@ -71,7 +70,7 @@ def _physical_cores() -> int:
 
 
 class OrtBackend:
-    """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider."""
+    """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider (a Backend)."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
                  optimization: str | None = None, spin: bool = False, low_memory: bool = False):
@@ -81,23 +80,20 @@ class OrtBackend:
         if provider != "cpu":
             raise LlmxError(f"the {provider} provider needs device-resident KV buffers; use --backend ort-cpu here")
         self.artifact, self.manifest = Path(artifact), manifest
-        # Graphs fresh from `llmx optimize` are already fused: ORT's own passes find nothing more and
-        # cost load time. A later stage (calibrate's Q/DQ) needs them again, so only the last stage counts.
-        last = manifest.lineage[-1] if manifest.lineage else {}
-        hint = last.get("session_options", {}).get("graph_optimization_level") if last.get("stage") == "optimize" else None
-        if low_memory and manifest.precision.get("scheme"):
+        if low_memory and manifest.precision.scheme:
             # MatMulNBits and the int8 kernels compute from their packed weights only: measured 20x
             # slower decode without them, for a third less memory.
             raise InputError(f"--low-memory applies to unquantized artifacts; this one is "
-                             f"{manifest.precision['scheme']} (its kernels need their packed weights)")
+                             f"{manifest.precision.scheme} (its kernels need their packed weights)")
         self.low_memory = low_memory
-        opts = session_options(threads, optimization or hint or "all", spin, prepack=not low_memory)
         self.sessions = {}
         for name in ("prefill", "decode"):
             graph = manifest.graphs.get(name)
             if graph is None:
                 raise ArtifactError(f"artifact has no {name} graph")
-            path = self.artifact / graph.file
+            # Graphs fresh from `llmx optimize` are fused already and say so (ort_optimization "basic").
+            opts = session_options(threads, optimization or graph.ort_optimization or "all", spin, prepack=not low_memory)
+            path = artifact_file(self.artifact, graph.file, f"graphs.{name}.file")
             if not path.is_file():
                 raise ArtifactError(f"artifact is missing {graph.file}")
             try:
@@ -105,11 +101,10 @@ class OrtBackend:
             except Exception as exc:
                 raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
         kv = manifest.kv
-        self.num_layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
-        self.kv_dtype = np.dtype(kv.get("dtype", "float32"))
-        self.vocab_size = int(manifest.model["vocab_size"])
-        self.past_names = [kv["past"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
-        self.present_names = [kv["present"].format(i=i, kv=s) for i in range(self.num_layers) for s in ("key", "value")]
+        self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.kv_dtype = np.dtype(kv.dtype)
+        self.vocab_size = manifest.model.vocab_size
+        self.past_names, self.present_names = kv.past_names(), kv.present_names()
         self._binding = self.sessions["decode"].io_binding()
         self._logits: np.ndarray | None = None
         self._bound_kv: tuple | None = None  # (cache buffer list, first row, rows) the decode binding points at

@@ -9,8 +9,9 @@ each way per step. ORT runs on llmx's CUDA stream (``user_compute_stream``), so 
 and llmx's copies are ordered.
 
 The TensorRT execution provider gets its optimization profiles from the same functions
-``llmx build`` uses (limits from the manifest's build record, or defaults), and keeps engines
-and timing caches under llmx's cache directory, keyed by the graph's checksum.
+``llmx build`` uses (llmx/engine_shapes.py; limits from the manifest's engine record, or the
+defaults), and keeps engines and timing caches under llmx's cache directory, keyed by the
+graph's checksum.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+from llmx.artifact_paths import artifact_file
 from llmx.cuda import open_device
+from llmx.engine_record import llmx_cache_dir
+from llmx.engine_shapes import axis_ranges, graph_profile, ort_trt_profile_options
 from llmx.errors import ArtifactError, InputError, LlmxError
 from llmx.manifest import Manifest
-from llmx.optimize.trt_profiles import BuildLimits, axis_ranges, graph_profile, ort_trt_profile_options
-from llmx.optimize.trt_records import llmx_cache_dir
-from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, kv_io_names, scratch_presents, take_prompts
+from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, scratch_presents, take_prompts
 from llmx.runtime.onnx_backend import PROVIDERS, _ort, session_options
 from llmx.runtime.ort_cuda_graph import CudaGraphDecode
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
@@ -33,16 +35,10 @@ from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 GPU_HINT = "pip install 'llmx[gpu]' instead of 'llmx[cpu]' (onnxruntime-gpu; the two cannot be installed together)"
 
 
-def build_limits(manifest: Manifest) -> BuildLimits:
-    """The limits engines were built for (``llmx build``), else defaults for this model."""
-    built = (manifest.extras.get("tensorrt") or {}).get("limits")
-    return BuildLimits(**built) if built else BuildLimits().resolve(manifest)
-
-
 def tensorrt_provider_options(manifest: Manifest, graph: str, cache_root: Path, device_index: int = 0,
                               workspace_bytes: int | None = None) -> dict[str, str]:
     """TensorRT execution provider options for one graph: profile shapes and caches."""
-    limits = build_limits(manifest)
+    limits = manifest.engine_limits
     kind = "prefill" if graph == "prefill" else "decode"
     profile = graph_profile(kind, manifest.graphs[graph], axis_ranges(kind, limits))
     key = hashlib.sha256(f"{manifest.checksums.get(manifest.graphs[graph].file)}|{limits.to_dict()}".encode()).hexdigest()[:16]
@@ -61,7 +57,7 @@ def tensorrt_provider_options(manifest: Manifest, graph: str, cache_root: Path, 
 
 
 class OrtDeviceBackend:
-    """Runs an artifact's graphs on ONNX Runtime's CUDA or TensorRT provider; same interface as OrtBackend."""
+    """Runs an artifact's graphs on ONNX Runtime's CUDA or TensorRT provider (a Backend)."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cuda", threads: int | None = None,
                  device: int = 0, optimization: str = "all", workspace_bytes: int | None = None, spin: bool = False,
@@ -74,22 +70,22 @@ class OrtDeviceBackend:
             raise LlmxError(f"--backend ort-{provider} needs ONNX Runtime's {PROVIDERS[provider]}, which this "
                             f"onnxruntime lacks: {GPU_HINT}")
         kv = manifest.kv
-        self.kv_dtype = kv.get("dtype", "float32")
+        self.kv_dtype = kv.dtype
         if self.kv_dtype not in ("float32", "float16"):
             raise InputError(f"ONNX Runtime's Python IO binding cannot bind {self.kv_dtype} buffers; use --backend tensorrt")
         self.device = open_device(device)  # ort-gpu lists CUDA providers even with no GPU: look for one
         self.artifact, self.manifest = Path(artifact), manifest
         self.device_type = "cpu" if provider == "cpu" else "cuda"
         self.device_index = 0 if provider == "cpu" else device
-        self.num_layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
-        self.vocab_size = int(manifest.model["vocab_size"])
-        self.past_names, self.present_names = kv_io_names(kv)
+        self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.vocab_size = manifest.model.vocab_size
+        self.past_names, self.present_names = kv.past_names(), kv.present_names()
         opts = session_options(threads, optimization, spin=spin)  # CPU threads run the nodes the GPU providers leave
         self.sessions = {"prefill": self._session(ort, "prefill", provider, opts, workspace_bytes)}
         self.cuda_graph = self._captured_decode(ort, provider, opts) if self._wants_cuda_graph(provider, cuda_graph) else None
         self.sessions["decode"] = self.cuda_graph.session if self.cuda_graph else self._session(
             ort, "decode", provider, opts, workspace_bytes)
-        self.limit = build_limits(manifest).max_seq_len if provider == "tensorrt" else manifest.max_seq_len
+        self.limit = manifest.engine_limits.max_seq_len if provider == "tensorrt" else manifest.max_seq_len
         self.buffers = DeviceBuffers(self.device)
         self._decode_binding = self.sessions["decode"].io_binding()
         self._logits: np.ndarray | None = None
@@ -99,7 +95,7 @@ class OrtDeviceBackend:
         graph = self.manifest.graphs.get(name)
         if graph is None:
             raise ArtifactError(f"artifact has no {name} graph")
-        path = self.artifact / graph.file
+        path = artifact_file(self.artifact, graph.file, f"graphs.{name}.file")
         if not path.is_file():
             raise ArtifactError(f"artifact is missing {graph.file}")
         stream = {"user_compute_stream": str(self.device.stream), "has_user_compute_stream": "1"}
@@ -130,7 +126,8 @@ class OrtDeviceBackend:
             raise ArtifactError("artifact has no decode graph")
         cuda = {"device_id": str(self.device_index), "use_tf32": "0", "enable_cuda_graph": "1"}
         providers = [("CUDAExecutionProvider", cuda)] if provider == "cuda" else ["CPUExecutionProvider"]
-        return CudaGraphDecode(ort, self.artifact / graph.file, opts, providers, self.device, self.device_type,
+        path = artifact_file(self.artifact, graph.file, "graphs.decode.file")
+        return CudaGraphDecode(ort, path, opts, providers, self.device, self.device_type,
                                self.device_index, self.vocab_size, self._bind_kv)
 
     @property

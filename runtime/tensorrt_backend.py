@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from llmx.artifact_paths import artifact_file
 from llmx.cuda import ALIGN, open_device
-from llmx.errors import ArtifactError, InputError
+from llmx.engine_record import TENSORRT_HINT, TensorRTRecord, check_engine_compatible
+from llmx.errors import ArtifactError, InputError, require
 from llmx.manifest import Manifest
-from llmx.optimize.trt_records import check_engine_compatible, import_tensorrt
-from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, kv_io_names, scratch_presents, take_prompts
+from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, scratch_presents, take_prompts
 from llmx.runtime.kv_cache import round_up
 from llmx.runtime.step_inputs import decode_inputs, prompt_inputs
 from llmx.runtime.trt_context import TrtContext
@@ -35,24 +36,24 @@ TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64"
 
 
 class TensorRTBackend:
-    """Runs an artifact's TensorRT engines; same interface as OrtBackend."""
+    """Runs an artifact's TensorRT engines (a Backend)."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, threads: int | None = None, device: int = 0,
                  cuda_graphs: bool = True, kv_in_place: bool = True):
         self.artifact, self.manifest = Path(artifact), manifest
-        record = manifest.extras.get("tensorrt")
-        if not record:
+        record = manifest.tensorrt
+        if record is None:
             raise ArtifactError(f"{artifact} has no TensorRT engines; build them with `llmx build {artifact} -o OUT`")
-        trt = import_tensorrt("--backend tensorrt")
+        trt = require("tensorrt", "--backend tensorrt", hint=TENSORRT_HINT, name="TensorRT")
         self.device = open_device(device)
         for warning in check_engine_compatible(record, trt.__version__, self.device.record()):
             print(f"warning: {warning}", file=sys.stderr)
         kv = manifest.kv
-        self.num_layers, self.kv_heads, self.head_dim = kv["num_layers"], kv["num_kv_heads"], kv["head_dim"]
-        self.kv_dtype = kv.get("dtype", "float32")
-        self.vocab_size = int(manifest.model["vocab_size"])
-        self.past_names, self.present_names = kv_io_names(kv)
-        self.limits, self.layout, self.cuda_graphs = record["limits"], record["layout"], cuda_graphs
+        self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.kv_dtype = kv.dtype
+        self.vocab_size = manifest.model.vocab_size
+        self.past_names, self.present_names = kv.past_names(), kv.present_names()
+        self.limits, self.layout, self.cuda_graphs = record.limits, record.layout, cuda_graphs
         # kv_in_place=False: present goes to scratch and is copied back (one cache copy per step),
         # for a TensorRT that refuses or mishandles past and present bound to the same memory.
         self.kv_in_place = kv_in_place
@@ -66,16 +67,16 @@ class TensorRTBackend:
         self._logits_host: np.ndarray | None = None
         self.prefill_calls = 0
 
-    def _load_engines(self, trt, record: dict) -> dict:
+    def _load_engines(self, trt, record: TensorRTRecord) -> dict:
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         engines = {}
-        for name, info in record["engines"].items():
-            path = self.artifact / info["file"]
+        for name, info in record.engines.items():
+            path = artifact_file(self.artifact, info.file, f"tensorrt.engines.{name}.file")
             if not path.is_file():
-                raise ArtifactError(f"artifact is missing {info['file']}")
+                raise ArtifactError(f"artifact is missing {info.file}")
             engine = runtime.deserialize_cuda_engine(path.read_bytes())
             if engine is None:
-                raise ArtifactError(f"TensorRT cannot load {info['file']} (see its messages above); rebuild with `llmx build`")
+                raise ArtifactError(f"TensorRT cannot load {info.file} (see its messages above); rebuild with `llmx build`")
             engines[name] = engine
         return engines
 
@@ -89,11 +90,11 @@ class TensorRTBackend:
 
     @property
     def max_seq_len(self) -> int:
-        return min(self.manifest.max_seq_len, int(self.limits["max_seq_len"]))
+        return self.limits.max_seq_len  # resolved by the build: at most the model's maximum
 
     def new_cache(self, rows: int, capacity: int) -> DeviceKVCache:
-        if rows > self.limits["max_batch"]:
-            raise InputError(f"batch of {rows} exceeds the engines' --max-batch {self.limits['max_batch']}; rebuild to raise it")
+        if rows > self.limits.max_batch:
+            raise InputError(f"batch of {rows} exceeds the engines' --max-batch {self.limits.max_batch}; rebuild to raise it")
         return DeviceKVCache(self.device, self.num_layers, self.kv_heads, self.head_dim, rows, capacity,
                              self.max_seq_len, self.kv_dtype)
 
@@ -132,7 +133,7 @@ class TensorRTBackend:
             raise InputError("prefill rows must be contiguous")
         ids, mask, _, lengths = prompt_inputs(prompts, "right")
         b, width = ids.shape
-        chunk = int(self.limits["prefill_chunk"])
+        chunk = self.limits.prefill_chunk
         logits = np.empty((b, self.vocab_size), np.float32)
         kv_shape = (b, self.kv_heads, cache.capacity, self.head_dim)
         for off in range(0, width, chunk):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from llmx.artifact_paths import artifact_file
 from llmx.errors import ArtifactError
 from llmx.manifest import Manifest
 
@@ -20,18 +21,17 @@ _REPLACEMENT = "\ufffd"
 class Tokenizer:
     def __init__(self, artifact: Path, manifest: Manifest):
         section = manifest.tokenizer
-        path = Path(artifact) / section["file"]
+        path = artifact_file(artifact, section.file, "tokenizer.file")
         try:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:
-            raise ArtifactError(f"cannot load tokenizer {path}: {exc}") from exc
+            raise ArtifactError(f"cannot load tokenizer {path}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
         self._tok.no_padding()  # padding is the runtime's job, with attention masks
-        self.bos_token_id: int | None = section.get("bos_token_id")
-        self.eos_token_ids: list[int] = list(section.get("eos_token_ids") or [])
-        self.pad_token_id: int = section.get("pad_token_id") or 0
-        template = section.get("chat_template")
-        self.chat_template: str | None = (Path(artifact) / template).read_text() if template else None
-        self.bos_token, self.eos_token = section.get("bos_token"), section.get("eos_token")
+        self.bos_token_id: int | None = section.bos_token_id
+        self.eos_token_ids: list[int] = list(section.eos_token_ids)
+        self.pad_token_id: int = section.pad_token_id or 0
+        self.chat_template: str | None = _read_template(artifact, section.chat_template)
+        self.bos_token, self.eos_token = section.bos_token, section.eos_token
 
     @property
     def vocab_size(self) -> int:
@@ -54,6 +54,16 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text on its own, as OpenAI's logprobs report it."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+
+def _read_template(artifact: Path, rel: str | None) -> str | None:
+    if rel is None:
+        return None
+    path = artifact_file(artifact, rel, "tokenizer.chat_template")
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"cannot read the chat template {rel}: {exc}") from exc
 
 
 class IncrementalDetokenizer:

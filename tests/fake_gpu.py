@@ -220,7 +220,7 @@ def make_fake_tensorrt(version: str = "10.99.0") -> types.ModuleType:
 
 
 class FakeBuilder:
-    """optimize.tensorrt.EngineBuilder that writes fake engines (the ONNX graph + profiles)."""
+    """engine.tensorrt.EngineBuilder that writes fake engines (the ONNX graph + profiles)."""
 
     def __init__(self, device: dict | None = None, version: str = "10.99.0"):
         self.device = device or HostDevice().record()
@@ -230,10 +230,8 @@ class FakeBuilder:
     def build(self, onnx_path: Path, engine_path: Path, spec, plan, log) -> dict:
         import onnx
 
-        from llmx.optimize.trt_profiles import profile_to_dict
-
         model = onnx.load(str(onnx_path))  # with its external weights, as TensorRT parses from the path
-        header = json.dumps({"profiles": [profile_to_dict(p) for p in spec.profiles]}).encode()
+        header = json.dumps({"profiles": [p.to_dict() for p in spec.profiles]}).encode()
         engine_path.write_bytes(MAGIC + header + b"\n" + model.SerializeToString())
         self.built.append(spec.name)
         return {"bytes": engine_path.stat().st_size}

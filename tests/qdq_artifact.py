@@ -11,7 +11,7 @@ import numpy as np
 
 
 def calibration_feeds(manifest, graph: str, rng, count: int = 4) -> list[dict]:
-    vocab, kv = int(manifest.model["vocab_size"]), manifest.kv
+    vocab, kv = manifest.model.vocab_size, manifest.kv
     feeds = []
     for _ in range(count):
         if graph == "prefill":
@@ -22,10 +22,10 @@ def calibration_feeds(manifest, graph: str, rng, count: int = 4) -> list[dict]:
         t, total, capacity = 2, 6, 8
         feed = {"input_ids": rng.integers(0, vocab, (1, t)), "attention_mask": np.ones((1, total), np.int64),
                 "position_ids": np.arange(total - t, total)[None]}
-        for i in range(kv["num_layers"]):
+        for i in range(kv.num_layers):
             for part in ("key", "value"):
-                shape = (1, kv["num_kv_heads"], capacity, kv["head_dim"])
-                feed[kv["past"].format(i=i, kv=part)] = rng.standard_normal(shape).astype(np.float32)
+                shape = (1, kv.num_kv_heads, capacity, kv.head_dim)
+                feed[kv.past.format(i=i, kv=part)] = rng.standard_normal(shape).astype(np.float32)
         feeds.append(feed)
     return feeds
 

@@ -14,16 +14,16 @@ from llmx.manifest import MANIFEST_NAME, load_manifest
 
 def test_manifest_describes_graphs_kv_and_tokenizer(llama_artifact):
     m = load_manifest(llama_artifact)
-    assert m.kind == "decoder" and m.model["family"] == "llama"
+    assert m.kind == "decoder" and m.model.family == "llama"
     decode = m.graphs["decode"]
     names = [t.name for t in decode.inputs]
     assert names[:3] == ["input_ids", "attention_mask", "position_ids"]
     assert names[3:5] == ["past_key_values.0.key", "past_key_values.0.value"]
     assert [t.name for t in decode.outputs][:3] == ["logits", "present.0.key", "present.0.value"]
     past = decode.input("past_key_values.1.value")
-    assert past.dtype == "float32" and past.shape == ["batch", m.kv["num_kv_heads"], "capacity", m.kv["head_dim"]]
-    assert m.graphs["prefill"].outputs[0].shape == ["batch", 1, m.model["vocab_size"]]
-    assert m.tokenizer["eos_token_ids"] == [2] and m.tokenizer["bos_token_id"] == 1
+    assert past.dtype == "float32" and past.shape == ["batch", m.kv.num_kv_heads, "capacity", m.kv.head_dim]
+    assert m.graphs["prefill"].outputs[0].shape == ["batch", 1, m.model.vocab_size]
+    assert m.tokenizer.eos_token_ids == [2] and m.tokenizer.bos_token_id == 1
     assert set(m.checksums) >= {"prefill.onnx", "decode.onnx", "weights.bin", "tokenizer/tokenizer.json"}
 
 
@@ -72,7 +72,7 @@ def test_manifest_is_the_last_file_and_round_trips(llama_artifact, tmp_path):
         (tmp / "note.txt").write_text("hello")
         finish(tmp, m.with_stage("test", note="x"))
     again = load_manifest(tmp_path / "copy")
-    assert again.lineage[-1] == {"stage": "test", "note": "x"}
+    assert again.lineage[-1].to_dict() == {"stage": "test", "note": "x"}
     assert again.checksums == {"note.txt": again.checksums["note.txt"]}
     assert again.graphs == m.graphs
 
@@ -81,5 +81,5 @@ def test_unknown_schema_version_is_a_clear_error(llama_artifact, tmp_path):
     data = json.loads((llama_artifact / MANIFEST_NAME).read_text())
     data["schema_version"] = 99
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(data))
-    with pytest.raises(ArtifactError, match="schema version 99"):
+    with pytest.raises(ArtifactError, match="schema_version 99 is not supported"):
         load_manifest(tmp_path)

@@ -62,8 +62,8 @@ def test_scheme_runs_end_to_end_and_generates(name, quantized, store):
     art = quantized(name)
     manifest = load_manifest(art)
     scheme = SCHEMES[name]["scheme"]
-    assert manifest.precision["scheme"] == scheme and manifest.lineage[-1]["stage"] == "calibrate"
-    assert len(manifest.precision["data"]["sha256"]) == 64
+    assert manifest.precision.scheme == scheme and manifest.lineage[-1].stage == "calibrate"
+    assert len(manifest.precision.data["sha256"]) == 64
     for graph in ("prefill", "decode"):
         ops = op_types(art / f"{graph}.onnx")
         assert ({"QuantizeLinear", "DequantizeLinear"} <= ops) if scheme == "w8a8" else ("MatMulNBits" in ops)
@@ -317,7 +317,7 @@ def test_llmx_build_plans_int8_from_the_calibrated_qdq_graphs(quantized, capsys)
     """The calibrate -> build contract: a w8a8 artifact builds INT8 engines from its Q/DQ nodes,
     and is not mistaken for an artifact that already has engines."""
     from llmx.cli import main
-    from llmx.optimize.tensorrt import plan_build
+    from llmx.engine.tensorrt import plan_build
 
     art = quantized("w8a8-entropy-smoothquant")
     plan = plan_build(art)

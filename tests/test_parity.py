@@ -108,7 +108,7 @@ def test_multi_token_decode_matches_one_at_a_time(engines):
 def test_sliding_window_is_active_in_mistral(engines, reference):
     """Past the window, Mistral's logits differ from full attention: the window is really applied."""
     engine, model = engines("mistral"), reference("mistral")
-    assert engine.manifest.model["sliding_window"] == 16
+    assert engine.manifest.model.sliding_window == 16
     ids = engine.encode(PROMPTS[2] * 2)
     assert len(ids) > 16
     cache = engine.backend.new_cache(1, len(ids))

@@ -116,7 +116,7 @@ def test_lookup_walks_chained_blocks_and_leaves_a_token_to_compute(engine):
 def test_memory_stays_under_budget_and_chains_lose_their_tails_first(engine):
     backend = engine.backend
     kv = engine.manifest.kv
-    block_bytes = 2 * kv["num_layers"] * kv["num_kv_heads"] * 4 * kv["head_dim"] * 4  # k+v, layers, heads, 4 slots, fp32
+    block_bytes = 2 * kv.num_layers * kv.num_kv_heads * 4 * kv.head_dim * 4  # k+v, layers, heads, 4 slots, fp32
     cache = PrefixCache(3 * block_bytes, block=4)
     ids = engine.encode(SYSTEM)[:17]
     kv = backend.new_cache(1, len(ids))

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import gunicorn  # noqa: F401  (a test dependency: a broken install fails here, it never skips)
 import openai
 import pytest
 import requests
@@ -129,7 +130,6 @@ def test_an_engine_that_failed_to_load_answers_503_not_ready(broken_artifact):
 
 
 def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine):
-    pytest.importorskip("gunicorn")
     port = free_port()
     env = {**os.environ, "LLMX_BIND": f"127.0.0.1:{port}", "LLMX_WORKERS": "2", "LLMX_WORKER_THREADS": "16"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -152,7 +152,6 @@ def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine):
 
 def test_gunicorn_preload_is_refused_with_a_clear_error(llama_artifact):
     """--preload would create the engine in the master and fork it: llmx answers 500, never hangs."""
-    pytest.importorskip("gunicorn")
     port = free_port()
     env = {**os.environ, "LLMX_BIND": f"127.0.0.1:{port}", "LLMX_WORKERS": "1", "LLMX_WORKER_THREADS": "4"}
     app = f'llmx.serve:create_app("{llama_artifact}", threads=1)'
@@ -174,7 +173,7 @@ def test_gunicorn_preload_is_refused_with_a_clear_error(llama_artifact):
 
 @pytest.mark.ray
 def test_ray_serve_deployment_on_a_local_ray_instance(llama_artifact, llama_engine):
-    pytest.importorskip("ray.serve")
+    pytest.importorskip("ray.serve", reason="Ray Serve is the optional `llmx[ray]` group, not in the test install")
     import ray
     from ray import serve
 

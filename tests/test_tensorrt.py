@@ -8,16 +8,18 @@ from __future__ import annotations
 import json
 import struct
 
+import polygraphy  # noqa: F401  (llmx build's loader library: installed with the test extras, never skipped)
 import pytest
 
 from fake_gpu import FakeBuilder
 from llmx.errors import ArtifactError, InputError
 from llmx.manifest import load_manifest
-from llmx.optimize.tensorrt import ArtifactFacts, build_artifact, plan_build, resolve_precision
-from llmx.optimize.trt_profiles import (BuildLimits, default_prefill_chunk, engine_specs, graph_profile,
-                                        ort_trt_profile_options)
-from llmx.optimize.trt_records import (check_engine_compatible, check_precision_supported, default_timing_cache,
-                                       find_calibration_table, read_calibration_table)
+from llmx.engine.tensorrt import ArtifactFacts, build_artifact, plan_build, resolve_precision
+from llmx.engine.trt_profiles import engine_specs
+from llmx.engine.trt_records import (check_precision_supported, default_timing_cache, find_calibration_table,
+                                     read_calibration_table)
+from llmx.engine_record import TensorRTRecord, check_engine_compatible
+from llmx.engine_shapes import BuildLimits, default_prefill_chunk, graph_profile, ort_trt_profile_options
 from test_cli import error_line, run
 
 # -- profiles ---------------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def test_ort_tensorrt_provider_profile_syntax(llama_artifact):
 
 
 def test_profiles_become_polygraphy_profiles(llama_artifact):
-    from llmx.optimize.trt_build import polygraphy_profile
+    from llmx.engine.trt_build import polygraphy_profile
 
     manifest = load_manifest(llama_artifact)
     spec = engine_specs(manifest, BuildLimits(max_batch=2, max_seq_len=32).resolve(manifest), "split")[1]
@@ -145,13 +147,16 @@ def test_precision_needs_a_capable_gpu(precision, cc, ok):
 
 # -- records -----------------------------------------------------------------------------------------
 
-RECORD = {"version": "10.13.0.35", "device": {"name": "NVIDIA L4", "compute_capability": "8.9"}}
+L4 = {"name": "NVIDIA L4", "compute_capability": "8.9"}
+RECORD = TensorRTRecord.parse({
+    "version": "10.13.0.35", "device": L4, "precision": "fp16", "layout": "shared",
+    "limits": BuildLimits(8, 256, 8, 64, 1, 256).to_dict(), "engines": {"model": {"file": "model.engine", "graph": "decode"}}})
 
 
 def test_engines_load_only_on_the_tensorrt_version_and_architecture_that_built_them():
     assert check_engine_compatible(RECORD, "10.13.0.35", {"name": "NVIDIA L4", "compute_capability": "8.9"}) == []
     with pytest.raises(ArtifactError, match="built with TensorRT 10.13.0.35, this machine has 10.9.0.34; rebuild"):
-        check_engine_compatible(RECORD, "10.9.0.34", RECORD["device"])
+        check_engine_compatible(RECORD, "10.9.0.34", L4)
     with pytest.raises(ArtifactError, match=r"built for NVIDIA L4 \(compute capability 8.9\), this GPU is NVIDIA H100 \(9.0\)"):
         check_engine_compatible(RECORD, "10.13.0.35", {"name": "NVIDIA H100", "compute_capability": "9.0"})
     warnings = check_engine_compatible(RECORD, "10.13.0.35", {"name": "NVIDIA RTX 4090", "compute_capability": "8.9"})
@@ -190,7 +195,7 @@ def test_calibration_table_is_found_from_the_manifest_or_by_name(llama_artifact,
 
 
 def test_build_progress_prints_top_phases_with_times():
-    from llmx.optimize.trt_build import BuildProgress
+    from llmx.engine.trt_build import BuildProgress
 
     lines = []
     progress = BuildProgress(lines.append)
@@ -213,13 +218,14 @@ def test_build_records_tensorrt_gpu_precision_profiles_and_engines(llama_artifac
     builder = FakeBuilder({"name": "NVIDIA L4", "compute_capability": "8.9", "memory_bytes": 24 << 30})
     manifest = build_artifact(llama_artifact, tmp_path / "trt", plan, lambda: builder)
     assert builder.built == ["prefill", "decode"]
-    record = load_manifest(tmp_path / "trt").extras["tensorrt"]
-    assert record["version"] == "10.99.0" and record["device"]["name"] == "NVIDIA L4"
-    assert (record["precision"], record["layout"], record["strongly_typed"]) == ("fp16", "split", True)
-    assert record["limits"]["max_batch"] == 4 and record["limits"]["max_seq_len"] == 128
-    assert {e["file"] for e in record["engines"].values()} == {"prefill.engine", "decode.engine"}
-    assert record["engines"]["decode"]["profiles"][0]["shapes"]["input_ids"] == [[1, 1], [1, 1], [4, 8]]
-    assert manifest.kv["dtype"] == "float16" and manifest.lineage[-1]["engines"] == ["prefill.engine", "decode.engine"]
+    record = load_manifest(tmp_path / "trt").tensorrt
+    assert record.version == "10.99.0" and record.device.name == "NVIDIA L4"
+    assert (record.precision, record.layout, record.strongly_typed) == ("fp16", "split", True)
+    assert record.limits.max_batch == 4 and record.limits.max_seq_len == 128
+    assert {e.file for e in record.engines.values()} == {"prefill.engine", "decode.engine"}
+    assert record.engines["decode"].profiles[0].shapes["input_ids"] == [[1, 1], [1, 1], [4, 8]]
+    assert manifest.kv.dtype == "float16" and manifest.lineage[-1].details["engines"] == ["prefill.engine", "decode.engine"]
+    assert manifest.precision.compute_dtype == "float16"
     assert {"prefill.engine", "decode.engine", "weights.bin", "tokenizer/tokenizer.json"} <= set(manifest.checksums)
 
 
@@ -252,14 +258,13 @@ def test_tensorrt_11_refuses_int8_from_a_calibration_table(llama_artifact, tmp_p
     with pytest.raises(InputError, match="TensorRT 11 builds INT8 only from Q/DQ graphs"):
         build_artifact(src, tmp_path / "trt", plan, lambda: FakeBuilder(version="11.4.0"))
     manifest = build_artifact(src, tmp_path / "trt10", plan, FakeBuilder)  # TensorRT 10: weakly typed INT8
-    assert (tmp_path / "trt10" / "calibration.cache").is_file() and manifest.extras["tensorrt"]["int8_source"] == "calibration_table"
+    assert (tmp_path / "trt10" / "calibration.cache").is_file() and manifest.tensorrt.int8_source == "calibration_table"
 
 
 # -- the CLI without TensorRT / CUDA --------------------------------------------------------------------
 
 
 def test_build_without_tensorrt_is_one_error_naming_what_to_install(llama_artifact, tmp_path, capsys):
-    pytest.importorskip("polygraphy")
     code, _, err = run(["build", str(llama_artifact), "-o", str(tmp_path / "trt")], capsys)
     line = error_line(err)
     assert code != 0 and "needs TensorRT" in line and "pip install" in line and "tensorrt-cu12" in line

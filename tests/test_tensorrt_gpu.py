@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmx.optimize.tensorrt import build_artifact, plan_build
-from llmx.optimize.trt_profiles import BuildLimits
+from llmx.engine.tensorrt import build_artifact, plan_build
+from llmx.engine_shapes import BuildLimits
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
 
@@ -44,13 +44,13 @@ def smollm_shape_checkpoint(directory):
 
 @pytest.fixture(scope="module")
 def trt():
-    return pytest.importorskip("tensorrt")
+    return pytest.importorskip("tensorrt", reason="TensorRT needs a wheel matching the GPU's CUDA (docs/tensorrt.md)")
 
 
 @pytest.fixture(scope="module")
 def built(trt, llama_artifact, tmp_path_factory):
     """Engines for the tiny llama by (precision, layout), built once per module."""
-    from llmx.optimize.trt_build import PolygraphyBuilder
+    from llmx.engine.trt_build import PolygraphyBuilder
 
     root, cache = tmp_path_factory.mktemp("engines"), {}
 
@@ -89,7 +89,7 @@ def test_engines_build_and_record_this_gpu_and_tensorrt(trt, built, layout):
     from llmx.manifest import load_manifest
 
     art = built("fp16", layout)
-    record = load_manifest(art).extras["tensorrt"]
+    record = load_manifest(art).tensorrt
     assert record["version"] == trt.__version__
     assert record["device"]["name"] == open_device().record()["name"]
     assert all((art / e["file"]).stat().st_size > 0 for e in record["engines"].values())
@@ -148,7 +148,7 @@ def test_int8_engine_from_a_qdq_artifact(built, llama_artifact, tmp_path):
 @pytest.mark.slow
 def test_smollm_135m_shape_builds_and_matches_onnx_runtime_cpu(trt, tmp_path):
     from llmx.export import export_checkpoint
-    from llmx.optimize.trt_build import PolygraphyBuilder
+    from llmx.engine.trt_build import PolygraphyBuilder
 
     ckpt = smollm_shape_checkpoint(tmp_path / "ckpt")
     export_checkpoint(ckpt, tmp_path / "art")

@@ -2,7 +2,7 @@ import json
 
 import click
 
-from llmx.commands.generate import backend_options
+from llmx.commands.options import backend_options
 
 
 def _contexts(value: str | None) -> list[int]:

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import click
 
+from llmx.commands.options import force_option
+
 PRECISION_HELP = (
     "Engine precision. auto: int8/fp8 for a calibrated (Q/DQ) artifact, else fp16. "
     "fp16/bf16 convert the graphs (norms, softmax, position math stay fp32); tf32 is fp32 with TF32 matmuls."
@@ -11,8 +13,8 @@ PRECISION_HELP = (
 
 
 def register(cli: click.Group) -> None:
-    from llmx.optimize.tensorrt import PRECISIONS
-    from llmx.optimize.trt_profiles import LAYOUTS
+    from llmx.engine.tensorrt import PRECISIONS
+    from llmx.engine_shapes import LAYOUTS
 
     @cli.command("build")
     @click.argument("artifact", type=click.Path(path_type=Path))
@@ -34,7 +36,7 @@ def register(cli: click.Group) -> None:
     @click.option("--device", type=click.IntRange(min=0), default=0, show_default=True, help="GPU index.")
     @click.option("--onnx-only", is_flag=True, help="Write the converted graphs without engines (no TensorRT needed).")
     @click.option("--dry-run", is_flag=True, help="Print the build plan (precision, engines, profiles) as JSON and stop.")
-    @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
+    @force_option
     def build(artifact, output, precision, layout, max_batch, max_seq_len, max_decode_tokens, prefill_chunk, opt_batch,
               workspace, timing_cache, opt_level, device, onnx_only, dry_run, force):
         """Build TensorRT engines for an artifact: prefill and decode, with KV-cache profiles.
@@ -44,8 +46,8 @@ def register(cli: click.Group) -> None:
         precision, so --backend ort-cuda runs them too), the tokenizer and a manifest that
         records the TensorRT version and GPU; engines refuse to load anywhere else.
         """
-        from llmx.optimize.tensorrt import build_artifact, plan_build
-        from llmx.optimize.trt_profiles import BuildLimits
+        from llmx.engine.tensorrt import build_artifact, plan_build
+        from llmx.engine_shapes import BuildLimits
 
         limits = BuildLimits(max_batch, max_seq_len, max_decode_tokens, prefill_chunk, opt_batch)
         plan = plan_build(artifact, precision, layout, limits)
@@ -57,11 +59,11 @@ def register(cli: click.Group) -> None:
         factory = None
         if not onnx_only:
             def factory():
-                from llmx.optimize.trt_build import PolygraphyBuilder
+                from llmx.engine.trt_build import PolygraphyBuilder
 
                 return PolygraphyBuilder(timing_cache, int(workspace * (1 << 30)) if workspace else None, opt_level, device)
         manifest = build_artifact(artifact, output, plan, factory, force=force, log=log)
-        record = manifest.extras.get("tensorrt")
-        what = (f"{len(record['engines'])} engine(s), TensorRT {record['version']} on {record['device']['name']}, "
-                f"{record['build_seconds']:.1f} s") if record else "graphs only"
+        record = manifest.tensorrt
+        what = (f"{len(record.engines)} engine(s), TensorRT {record.version} on {record.device.name}, "
+                f"{record.build_seconds:.1f} s") if record else "graphs only"
         click.echo(f"wrote {output} ({plan.precision}, {what})", err=True)

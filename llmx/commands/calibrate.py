@@ -2,6 +2,8 @@ import json
 
 import click
 
+from llmx.commands.options import force_option, threads_option
+
 
 def tqdm_progress(desc: str, total: int):
     """A progress bar on stderr (stdout carries the report)."""
@@ -30,9 +32,9 @@ def register(cli: click.Group) -> None:
     @click.option("--eval-data", type=click.Path(path_type=str), default=None,
                   help="Text for the quality report (default: a held-out tail of --data).")
     @click.option("--eval-samples", type=int, default=16, show_default=True, help="Evaluation windows (at most).")
-    @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: physical cores).")
+    @threads_option
     @click.option("--json", "as_json", is_flag=True, help="Print the quality report as one JSON object.")
-    @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
+    @force_option
     def calibrate(artifact, output, data, scheme, kv_cache, method, alpha, per_channel, block_size, symmetric, samples, seq_len,
                   eval_data, eval_samples, threads, as_json, force):
         """Quantize ARTIFACT to INT8/INT4 and report what it cost in quality.

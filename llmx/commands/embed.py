@@ -3,6 +3,8 @@ import sys
 
 import click
 
+from llmx.commands.options import threads_option
+
 
 def register(cli: click.Group) -> None:
     @cli.command("embed")
@@ -10,7 +12,7 @@ def register(cli: click.Group) -> None:
     @click.argument("texts", nargs=-1)
     @click.option("--file", "file", type=click.File("r", encoding="utf-8"), help="Embed each non-empty line of this file ('-' for stdin).")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: embeddings, dimensions, token counts.")
-    @click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: physical cores).")
+    @threads_option
     def embed(artifact, texts, file, as_json, threads):
         """Embed TEXTS (or the lines of --file) with an encoder artifact.
 

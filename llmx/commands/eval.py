@@ -2,7 +2,7 @@ import json
 
 import click
 
-from llmx.commands.generate import backend_options
+from llmx.commands.options import backend_options
 
 
 def register(cli: click.Group) -> None:
@@ -30,7 +30,7 @@ def register(cli: click.Group) -> None:
         text = read_text_data(data)
         windows = pick_windows(token_windows(engine.tokenizer, text, seq_len), samples, seq_len, data)
         result = {"artifact": artifact, "data": data, "data_sha256": text.sha256, "seq_len": seq_len,
-                  "scheme": engine.manifest.precision.get("scheme")}
+                  "scheme": engine.manifest.precision.scheme}
         if reference is None:
             score = perplexity(engine.backend, windows)
             result.update(perplexity=score.perplexity, tokens=score.tokens, windows=score.windows)

@@ -19,4 +19,4 @@ def register(cli: click.Group) -> None:
 
         log = lambda msg: click.echo(msg, err=True)  # noqa: E731
         manifest = export_checkpoint(checkpoint, output, verify=verify, all_logits=all_logits, force=force, log=log)
-        click.echo(f"wrote {output} ({manifest.model['family']}, {len(manifest.graphs)} graphs)", err=True)
+        click.echo(f"wrote {output} ({manifest.model.family}, {len(manifest.graphs)} graphs)", err=True)

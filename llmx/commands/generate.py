@@ -4,39 +4,12 @@ import time
 
 import click
 
+from llmx.commands.options import backend_options, check_speculative_options, speculative_options
 from llmx.errors import InputError
 
-BACKEND_CHOICES = ("ort-cpu", "ort-cuda", "ort-tensorrt", "tensorrt")
 # Sampling options that beam search (deterministic, scored with the model's own logprobs) cannot honour.
 NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "logprobs", "stop")
-
-
-def backend_options(f):
-    """--backend/--threads/--low-memory, shared by every command that runs an artifact."""
-    f = click.option("--low-memory", is_flag=True,
-                     help="ort-cpu, unquantized artifacts: share one memory-mapped copy of the weights between "
-                          "the graphs (and processes) instead of packing a copy per graph; ~45% less memory, "
-                          "~5% slower decode.")(f)
-    f = click.option("--threads", type=click.IntRange(min=1), default=None, help="Intra-op threads (default: physical cores).")(f)
-    return click.option("--backend", type=click.Choice(BACKEND_CHOICES), default="ort-cpu", show_default=True, help="Execution backend.")(f)
-
-
-def speculative_options(f):
-    """--speculative/--draft/--num-draft-tokens, shared by generate and serve."""
-    f = click.option("--num-draft-tokens", type=int, default=4, show_default=True,
-                     help="Tokens drafted per step for --speculative.")(f)
-    f = click.option("--draft", type=click.Path(path_type=str), default=None,
-                     help="Draft model artifact for --speculative draft (same tokenizer, smaller model).")(f)
-    return click.option("--speculative", type=click.Choice(["ngram", "draft"]), default=None,
-                        help="Speculative decoding: ngram (prompt lookup, no second model) or draft (--draft ART).")(f)
-
-
-def check_speculative_options(ctx: click.Context, speculative: str | None) -> None:
-    if speculative is None:
-        for name in ("draft", "num_draft_tokens"):
-            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-                raise InputError(f"--{name.replace('_', '-')} applies to speculative decoding: add --speculative")
 
 
 def register(cli: click.Group) -> None:

@@ -3,6 +3,10 @@ from pathlib import Path
 
 import click
 
+from llmx.artifact_paths import artifact_file
+from llmx.errors import ArtifactError
+from llmx.manifest import load_manifest, verify_checksums
+
 
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -19,11 +23,9 @@ def register(cli: click.Group) -> None:
     @click.option("--check", is_flag=True, help="Verify every file's sha256 against the manifest.")
     def inspect(artifact: Path, as_json: bool, check: bool) -> None:
         """Show what an artifact holds: model, graphs and their IO, files, precision, lineage."""
-        from llmx.errors import ArtifactError
-        from llmx.manifest import load_manifest, verify_checksums
-
         manifest = load_manifest(artifact)
-        sizes = {rel: (artifact / rel).stat().st_size for rel in manifest.checksums if (artifact / rel).is_file()}
+        paths = {rel: artifact_file(artifact, rel, "checksums key") for rel in manifest.checksums}
+        sizes = {rel: path.stat().st_size for rel, path in paths.items() if path.is_file()}
         bad = verify_checksums(artifact, manifest) if check else []
         if as_json:
             data = json.loads(manifest.to_json())
@@ -33,10 +35,13 @@ def register(cli: click.Group) -> None:
             click.echo(json.dumps(data, indent=2))
         else:
             m = manifest.model
-            click.echo(f"{artifact}: {manifest.kind}, {m.get('family')}, schema {manifest.schema_version}, llmx {manifest.llmx_version}")
+            click.echo(f"{artifact}: {manifest.kind}, {m.family}, schema {manifest.schema_version}, llmx {manifest.llmx_version}")
             dims = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings")
-            click.echo("  model: " + ", ".join(f"{k}={m[k]}" for k in dims if k in m))
-            click.echo("  precision: " + ", ".join(f"{k}={v}" for k, v in manifest.precision.items() if v is not None))
+            click.echo("  model: " + ", ".join(f"{k}={getattr(m, k)}" for k in dims))
+            precision = manifest.precision.to_dict()
+            click.echo("  precision: " + ", ".join(f"{k}={v}" for k, v in precision.items() if v is not None and k != "data"))
+            if manifest.kv is not None:
+                click.echo(f"  kv cache: {manifest.kv.dtype}, {manifest.kv.num_layers} layers x {manifest.kv.num_kv_heads} heads x {manifest.kv.head_dim}")
             for name, g in manifest.graphs.items():
                 click.echo(f"  graph {name}: {g.file} (opset {g.opset}, {g.ops} ops)")
                 for kind, tensors in (("in", g.inputs), ("out", g.outputs)):
@@ -44,7 +49,11 @@ def register(cli: click.Group) -> None:
                     for t in shown:
                         click.echo("      ..." if t is None else f"    {kind:3} {t.name}: {t.dtype}[{', '.join(map(str, t.shape))}]")
             click.echo("  files: " + ", ".join(f"{rel} {_size(n)}" for rel, n in sizes.items()))
-            click.echo("  lineage: " + " -> ".join(s["stage"] for s in manifest.lineage))
+            if manifest.tensorrt is not None:
+                trt, limits = manifest.tensorrt, manifest.tensorrt.limits
+                click.echo(f"  tensorrt {trt.version}: {trt.precision} {trt.layout} engines ({', '.join(e.file for e in trt.engines.values())}) "
+                           f"for {trt.device.name}, max batch {limits.max_batch}, max seq {limits.max_seq_len}")
+            click.echo("  lineage: " + " -> ".join(s.stage for s in manifest.lineage))
         if bad:
             raise ArtifactError(f"checksum mismatch in {len(bad)} file(s): {', '.join(bad)}")
         if check and not as_json:

@@ -1,11 +1,13 @@
 import click
 
+from llmx.commands.options import force_option
+
 
 def register(cli: click.Group) -> None:
     @cli.command("optimize")
     @click.argument("artifact", type=click.Path(path_type=str))
     @click.option("-o", "--output", required=True, type=click.Path(path_type=str), help="Artifact directory to write.")
-    @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
+    @force_option
     def optimize(artifact: str, output: str, force: bool) -> None:
         """Rewrite a portable artifact's graphs with ONNX Runtime's fused kernels.
 

@@ -2,7 +2,7 @@ import socket
 
 import click
 
-from llmx.commands.generate import backend_options, check_speculative_options, speculative_options
+from llmx.commands.options import backend_options, check_speculative_options, speculative_options
 from llmx.errors import InputError
 
 
@@ -60,12 +60,17 @@ def register(cli: click.Group) -> None:
 
         check_speculative_options(ctx, speculative)
         listener = _listen(host, port)  # a busy port fails before the model loads
-        app = create_app(artifact, model_name=model_name, max_batch=max_batch, max_queue=max_queue, prefill_chunk=prefill_chunk,
-                         api_key=api_key, max_body_bytes=max_body_kb * 1024, backend=backend, threads=threads, spin=spin,
-                         low_memory=low_memory, prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
-                         num_draft_tokens=num_draft_tokens)
-        service = app.extensions["llmx"]
-        service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
+        try:
+            app = create_app(artifact, model_name=model_name, max_batch=max_batch, max_queue=max_queue,
+                             prefill_chunk=prefill_chunk, api_key=api_key, max_body_bytes=max_body_kb * 1024,
+                             backend=backend, threads=threads, spin=spin, low_memory=low_memory,
+                             prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
+                             num_draft_tokens=num_draft_tokens)
+            service = app.extensions["llmx"]
+            service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
+        except BaseException:
+            listener.close()
+            raise
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         logging.getLogger("werkzeug").setLevel(logging.WARNING if quiet else logging.INFO)
         server = make_server(host, port, app, threaded=True, fd=listener.fileno())  # werkzeug dups the fd

@@ -1,51 +1,22 @@
-"""What a TensorRT build depends on, recorded and checked: the TensorRT version, the GPU, the
-precision the GPU can run, and the INT8 calibration table llmx calibrate leaves behind.
-
-An engine runs only on the TensorRT version that built it and on GPUs of the same compute
-capability, so ``llmx build`` records both in the manifest (``extras.tensorrt``) and the
-runtime refuses a mismatch with a message that says to rebuild, instead of TensorRT's
-deserialization error. All of this is pure Python and tested with fake records.
+"""What a TensorRT build depends on and checks: the precision the GPU can run, the shared
+timing cache, and the INT8 calibration table llmx calibrate leaves behind. The record the
+build writes (and the runtime's compatibility check) is the contract's: llmx/engine_record.py.
+All of this is pure Python and tested with fake records.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
-from llmx.errors import ArtifactError, InputError, LlmxError, MissingDependencyError
+from llmx.artifact_paths import artifact_file
+from llmx.engine_record import llmx_cache_dir, parse_cc
+from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest
-
-TENSORRT_HINT = "on a machine with an NVIDIA GPU: pip install 'llmx[tensorrt]' tensorrt-cu12 (tensorrt-cu13 for CUDA 13)"
 
 # Lowest compute capability that runs each precision in TensorRT.
 PRECISION_MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (5, 3), "bf16": (8, 0), "int8": (6, 1), "fp8": (8, 9)}
-
-
-def import_tensorrt(purpose: str):
-    """``import tensorrt``, or one error that says what to install (or that CUDA is missing)."""
-    try:
-        import tensorrt
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] == "tensorrt":
-            raise MissingTensorRT(purpose) from exc
-        raise LlmxError(f"{purpose}: TensorRT is installed but cannot load ({exc})") from exc
-    except (ImportError, OSError) as exc:  # a wheel present but its CUDA libraries missing
-        raise LlmxError(f"{purpose}: TensorRT is installed but cannot load ({exc}); is the CUDA driver installed?") from exc
-    return tensorrt
-
-
-class MissingTensorRT(MissingDependencyError):
-    def __init__(self, purpose: str):
-        LlmxError.__init__(self, f"{purpose} needs TensorRT, which is not installed; {TENSORRT_HINT}")
-
-
-def llmx_cache_dir() -> Path:
-    """Where llmx keeps caches that outlive an artifact (timing caches, ORT TensorRT engines)."""
-    if os.environ.get("LLMX_CACHE_DIR"):
-        return Path(os.environ["LLMX_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmx"
 
 
 def default_timing_cache(trt_version: str, device: dict) -> Path:
@@ -62,13 +33,6 @@ def major_version(version: str) -> int:
         raise ArtifactError(f"unreadable TensorRT version {version!r}") from exc
 
 
-def parse_cc(cc: str | tuple[int, int]) -> tuple[int, int]:
-    if isinstance(cc, tuple):
-        return cc
-    major, _, minor = str(cc).partition(".")
-    return int(major), int(minor or 0)
-
-
 def check_precision_supported(precision: str, device: dict) -> None:
     """Refuse a precision the GPU cannot run (bf16 before Ampere, fp8 before Ada/Hopper)."""
     need = PRECISION_MIN_CC[precision]
@@ -78,25 +42,6 @@ def check_precision_supported(precision: str, device: dict) -> None:
             f"{precision} needs a GPU of compute capability {need[0]}.{need[1]} or newer; "
             f"{device['name']} is {have[0]}.{have[1]}"
         )
-
-
-def check_engine_compatible(record: dict, trt_version: str, device: dict) -> list[str]:
-    """Raise ArtifactError if engines built as ``record`` cannot run here; return warnings."""
-    built, where = record.get("version"), record.get("device", {})
-    if built != trt_version:
-        raise ArtifactError(
-            f"engines were built with TensorRT {built}, this machine has {trt_version}; "
-            "rebuild them here with `llmx build`"
-        )
-    if parse_cc(where.get("compute_capability", "0.0")) != parse_cc(device["compute_capability"]):
-        raise ArtifactError(
-            f"engines were built for {where.get('name')} (compute capability {where.get('compute_capability')}), "
-            f"this GPU is {device['name']} ({device['compute_capability']}); rebuild them here with `llmx build`"
-        )
-    if where.get("name") != device["name"]:
-        # Same architecture: TensorRT loads the engine, but its tactics were timed elsewhere.
-        return [f"engines were built on {where.get('name')}, running on {device['name']} (same compute capability)"]
-    return []
 
 
 # -- INT8 calibration tables -------------------------------------------------------------------
@@ -111,12 +56,12 @@ def find_calibration_table(artifact: Path, manifest: Manifest) -> Path | None:
     the artifact, ONNX Runtime's ``write_calibration_table`` format); older or other writers
     are found by ``precision.calibration_table`` or by the file names ORT writes.
     """
-    calib = manifest.extras.get("calibration") or {}
-    candidates = [calib.get(k) for k in ("table", "cache", "calibration_table") if isinstance(calib, dict)]
-    candidates += [manifest.precision.get("calibration_table"), *TABLE_NAMES]
+    calib = manifest.extras.get("calibration")
+    candidates = [calib.get(k) for k in ("table", "cache", "calibration_table")] if isinstance(calib, dict) else []
+    candidates += [manifest.precision.calibration_table, *TABLE_NAMES]
     for rel in candidates:
-        if isinstance(rel, str) and (Path(artifact) / rel).is_file():
-            return Path(artifact) / rel
+        if isinstance(rel, str) and (path := artifact_file(artifact, rel, "calibration table")).is_file():
+            return path
     return None
 
 

@@ -2,10 +2,10 @@
 
     plan_build  (pure: precision, KV dtype, engines and their profiles; no TensorRT needed)
     build_artifact
-      -> graphs converted to the engine precision (optimize/precision.py), saved with weights.bin
-      -> one engine per EngineSpec, built by a builder (optimize/trt_build.py: Polygraphy)
-      -> manifest: extras.tensorrt = TensorRT version, GPU, precision, limits, profiles, engine
-         files, timing cache; kv.dtype = the cache dtype the engines take
+      -> graphs converted to the engine precision (engine/precision.py), saved with weights.bin
+      -> one engine per EngineSpec, built by a builder (engine/trt_build.py: Polygraphy)
+      -> manifest: tensorrt = TensorRT version, GPU, precision, limits, profiles, engine files,
+         timing cache (llmx/engine_record.py); kv.dtype = the cache dtype the engines take
 
 The ONNX graphs stay in the output, so ``--backend ort-cuda`` / ``ort-tensorrt`` (and
 ``ort-cpu``, slowly, for fp16) run the same precision; ``--onnx-only`` stops there.
@@ -28,10 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from llmx.artifact import copy_tokenizer, finish, staged_artifact
+from llmx.engine.precision import convert_graph, qdq_summary
+from llmx.engine.trt_profiles import EngineSpec, engine_specs
+from llmx.engine.trt_records import check_precision_supported, find_calibration_table
+from llmx.engine_record import TensorRTRecord
+from llmx.engine_shapes import BuildLimits
 from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest, load_manifest
-from llmx.optimize.trt_profiles import BuildLimits, EngineSpec, engine_specs, profile_to_dict
-from llmx.optimize.trt_records import check_precision_supported, find_calibration_table
+from llmx.onnx_files import describe_graph, load_graph, save_graphs
 
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16", "int8", "fp8")
 FLOAT_OF = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -64,7 +69,7 @@ class BuildPlan:
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("limits", "engines")}
         data["limits"] = self.limits.to_dict()
         data["engines"] = [{"name": e.name, "graph": e.graph, "file": e.file,
-                            "profiles": [profile_to_dict(p) for p in e.profiles]} for e in self.engines]
+                            "profiles": [p.to_dict() for p in e.profiles]} for e in self.engines]
         return data
 
 
@@ -79,9 +84,6 @@ class EngineBuilder(Protocol):
 
 
 def artifact_facts(src: Path, manifest: Manifest) -> ArtifactFacts:
-    from llmx.onnx_files import load_graph
-    from llmx.optimize.precision import qdq_summary
-
     if manifest.kind != "decoder" or "decode" not in manifest.graphs:
         raise ArtifactError(f"{src} is not a decoder artifact with prefill/decode graphs")
     fused = [name for name, g in manifest.graphs.items() if g.ops != "portable"]
@@ -91,7 +93,7 @@ def artifact_facts(src: Path, manifest: Manifest) -> ArtifactFacts:
     decode = manifest.graphs["decode"]
     qdq = qdq_summary(load_graph(src / decode.file), base_dir=src) if (src / decode.file).is_file() else {}
     table = find_calibration_table(src, manifest)
-    return ArtifactFacts(manifest.kv.get("dtype", "float32"), manifest.precision.get("scheme"), qdq,
+    return ArtifactFacts(manifest.kv.dtype, manifest.precision.scheme, qdq,
                          table.relative_to(src).as_posix() if table else None)
 
 
@@ -146,8 +148,6 @@ def build_artifact(src: str | Path, out: str | Path, plan: BuildPlan,
                    builder_factory: Callable[[], EngineBuilder] | None = None, force: bool = False,
                    log: Callable[[str], None] = lambda msg: None) -> Manifest:
     """Write the built artifact to ``out`` (atomically). Without a builder: graphs only."""
-    from llmx.artifact import copy_tokenizer, finish, staged_artifact
-
     src = Path(src)
     manifest = load_manifest(src)
     with staged_artifact(out, overwrite=force) as tmp:
@@ -158,7 +158,7 @@ def build_artifact(src: str | Path, out: str | Path, plan: BuildPlan,
             (tmp / plan.calibration_table).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / plan.calibration_table, tmp / plan.calibration_table)
         if builder is not None:
-            new.extras["tensorrt"] = build_engines(tmp, new, plan, builder, log)
+            new.tensorrt = build_engines(tmp, new, plan, builder, log)
         new = new.with_stage("build", precision=plan.precision, layout=plan.layout,
                              engines=[e.file for e in plan.engines] if builder else [])
         finish(tmp, new)
@@ -167,9 +167,6 @@ def build_artifact(src: str | Path, out: str | Path, plan: BuildPlan,
 
 def _write_graphs(src: Path, tmp: Path, manifest: Manifest, plan: BuildPlan, log) -> Manifest:
     """The graphs in the engine precision, sharing one weights.bin; the manifest that describes them."""
-    from llmx.onnx_files import describe_graph, load_graph, save_graphs
-    from llmx.optimize.precision import convert_graph
-
     graphs = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
     if plan.convert_to:
         for name, graph in graphs.items():
@@ -177,18 +174,18 @@ def _write_graphs(src: Path, tmp: Path, manifest: Manifest, plan: BuildPlan, log
             convert_graph(graph, plan.convert_to, base_dir=src)
     save_graphs(graphs, tmp, sources={name: src for name in graphs})
     described = {name: describe_graph(load_graph(tmp / spec.file), spec.file, spec.ops) for name, spec in manifest.graphs.items()}
-    precision = dict(manifest.precision)
+    precision = manifest.precision
     if plan.convert_to:
         if not plan.int8_source:
-            precision.update(weights=plan.convert_to, activations=plan.convert_to)
-        precision["float"] = plan.convert_to  # what non-quantized math runs in
+            precision = dataclasses.replace(precision, weights=plan.convert_to, activations=plan.convert_to)
+        precision = dataclasses.replace(precision, compute_dtype=plan.convert_to)  # what non-quantized math runs in
     return dataclasses.replace(
-        manifest, graphs=described, kv={**manifest.kv, "dtype": plan.kv_dtype}, precision=precision,
-        extras={k: v for k, v in manifest.extras.items() if k != "tensorrt"}, checksums={},
+        manifest, graphs=described, kv=dataclasses.replace(manifest.kv, dtype=plan.kv_dtype), precision=precision,
+        tensorrt=None, extras=dict(manifest.extras), checksums={},
     )
 
 
-def build_engines(tmp: Path, manifest: Manifest, plan: BuildPlan, builder: EngineBuilder, log) -> dict:
+def build_engines(tmp: Path, manifest: Manifest, plan: BuildPlan, builder: EngineBuilder, log) -> TensorRTRecord:
     """Build every engine of ``plan`` into ``tmp``; the record the manifest keeps."""
     check_precision_supported(plan.precision, builder.device)
     if plan.int8_source == "calibration_table" and builder.major >= 11:
@@ -200,8 +197,8 @@ def build_engines(tmp: Path, manifest: Manifest, plan: BuildPlan, builder: Engin
         onnx_path = tmp / manifest.graphs[spec.graph].file
         info = builder.build(onnx_path, tmp / spec.file, spec, plan, log)
         engines[spec.name] = {"file": spec.file, "graph": spec.graph,
-                              "profiles": [profile_to_dict(p) for p in spec.profiles], **info}
-    return {
+                              "profiles": [p.to_dict() for p in spec.profiles], **info}
+    return TensorRTRecord.parse({
         "version": builder.version,
         "device": builder.device,
         "precision": plan.precision,
@@ -212,4 +209,4 @@ def build_engines(tmp: Path, manifest: Manifest, plan: BuildPlan, builder: Engin
         "engines": engines,
         "timing_cache": builder.timing_cache_record(),
         "build_seconds": round(time.monotonic() - start, 2),
-    }
+    }, "tensorrt")

@@ -5,7 +5,7 @@
       -> EngineFromNetwork(..., save_timing_cache) -> SaveEngine
 
 TensorRT 11 has no precision flags: the network is strongly typed and precision comes from
-the graph (optimize/precision.py, Q/DQ). On TensorRT 10 the same strongly typed build is
+the graph (engine/precision.py, Q/DQ). On TensorRT 10 the same strongly typed build is
 used, except for INT8 from a calibration table, which is TensorRT 10's weakly typed mode
 (INT8 + FP16 flags, per-tensor dynamic ranges set from the table).
 
@@ -21,9 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+from llmx.cuda import open_device
+from llmx.engine.trt_profiles import EngineSpec
+from llmx.engine.trt_records import default_timing_cache, major_version, read_calibration_table
+from llmx.engine_record import TENSORRT_HINT
+from llmx.engine_shapes import ProfileSpec
 from llmx.errors import LlmxError, require
-from llmx.optimize.trt_profiles import EngineSpec, ProfileSpec
-from llmx.optimize.trt_records import default_timing_cache, import_tensorrt, major_version, read_calibration_table
 
 
 class BuildProgress:
@@ -92,13 +95,11 @@ def set_dynamic_ranges(network, ranges: dict[str, float]) -> int:
 
 
 class PolygraphyBuilder:
-    """The real EngineBuilder (see optimize/tensorrt.py): TensorRT via Polygraphy on one GPU."""
+    """The real EngineBuilder (see engine/tensorrt.py): TensorRT via Polygraphy on one GPU."""
 
     def __init__(self, timing_cache: str | Path | None = None, workspace_bytes: int | None = None,
                  opt_level: int | None = None, device_index: int = 0):
-        from llmx.cuda import open_device
-
-        self.trt = import_tensorrt("llmx build")
+        self.trt = require("tensorrt", "llmx build", hint=TENSORRT_HINT, name="TensorRT")
         require("polygraphy", "llmx build", "tensorrt")
         self.device = open_device(device_index).record()
         self.version = self.trt.__version__

@@ -1,47 +1,49 @@
-"""Optimization profiles: the shape ranges a TensorRT engine is built for, as pure functions of
-the manifest and the build limits (so they are checked without a GPU).
+"""The shapes TensorRT engines accept: build limits and optimization profiles, as pure
+functions of the manifest (checked without a GPU). ``llmx build`` builds engines for them;
+the ``ort-tensorrt`` and ``tensorrt`` backends read them back: one source for both.
 
 With no profile TensorRT fixes every dynamic dimension to 1, so each graph input gets a
 (min, opt, max) shape. The graphs name their dynamic axes (``batch``, ``sequence``,
 ``new_tokens``, ``total_length``, ``capacity``); a range per axis name gives every input's
 shapes at once.
 
-Two layouts, to be chosen by measurement on the GPU (benchmarks/gpu_bench.py runs both):
-
-- ``split``: prefill.engine from the prefill graph (whole prompt, last-position logits only)
-  and decode.engine from the decode graph; simplest data path, but the weights are on the
-  device twice.
-- ``shared``: one engine from the decode graph with two profiles, as NVIDIA's GPT-2 demo did:
-  profile 0 takes prompt chunks (prefill is decode into an empty cache), profile 1 takes
-  decode steps; one copy of the weights, two execution contexts. Prefill then computes
-  logits for every prompt position, so prompts go in chunks that bound that buffer.
+Two layouts: ``split`` (prefill.engine from the prefill graph, decode.engine from the decode
+graph) and ``shared`` (one engine from the decode graph with a prefill-chunk profile and a
+decode profile, as NVIDIA's GPT-2 demo did: weights on the device once).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import GraphSpec, Manifest
+from llmx.schema import FieldError
+from llmx.sections import GraphSpec, Section
+
+if TYPE_CHECKING:
+    from llmx.manifest import Manifest
 
 LAYOUTS = ("split", "shared")
 LOGITS_BUDGET = 256 << 20  # bytes of fp32 logits one shared-layout prefill chunk may produce
+DEFAULT_MAX_SEQ_LEN, DEFAULT_OPT_SEQ_LEN = 2048, 512
 
 
 @dataclass(frozen=True)
-class BuildLimits:
-    """What the engines must accept. ``None`` fields get defaults from the model in ``resolve``."""
+class BuildLimits(Section):
+    """What the engines must accept. ``None`` fields get defaults from the model in ``resolve``;
+    the manifest's engine record holds the resolved limits."""
 
-    max_batch: int = 8
+    max_batch: int = 8  # most sequences per call
     max_seq_len: int | None = None  # default: min(model maximum, 2048)
     max_decode_tokens: int = 8  # T of one decode step (speculative drafts, chunked continuation)
     prefill_chunk: int | None = None  # shared layout: prompt tokens per prefill call
-    opt_batch: int = 1
+    opt_batch: int = 1  # batch size TensorRT tunes kernels for
     opt_seq_len: int | None = None  # default: min(max_seq_len, 512)
 
-    def resolve(self, manifest: Manifest) -> "BuildLimits":
+    def resolve(self, manifest: Manifest) -> BuildLimits:
         model_max = manifest.max_seq_len
-        seq = self.max_seq_len if self.max_seq_len is not None else min(model_max, 2048)
+        seq = self.max_seq_len if self.max_seq_len is not None else min(model_max, DEFAULT_MAX_SEQ_LEN)
         if seq < 2 or seq > model_max:
             raise InputError(f"--max-seq-len must be between 2 and the model's maximum {model_max}, got {seq}")
         if self.max_batch < 1:
@@ -50,15 +52,17 @@ class BuildLimits:
             raise InputError(f"--max-decode-tokens must be between 1 and {seq}, got {self.max_decode_tokens}")
         if not 1 <= self.opt_batch <= self.max_batch:
             raise InputError(f"--opt-batch must be between 1 and --max-batch {self.max_batch}, got {self.opt_batch}")
-        vocab = int(manifest.model["vocab_size"])
-        chunk = self.prefill_chunk or default_prefill_chunk(self.max_batch, vocab, seq)
+        chunk = self.prefill_chunk or default_prefill_chunk(self.max_batch, manifest.model.vocab_size, seq)
         if not 1 <= chunk <= seq:
             raise InputError(f"--prefill-chunk must be between 1 and {seq}, got {chunk}")
-        opt_seq = min(self.opt_seq_len or 512, seq)
+        opt_seq = min(self.opt_seq_len or DEFAULT_OPT_SEQ_LEN, seq)
         return BuildLimits(self.max_batch, seq, self.max_decode_tokens, chunk, self.opt_batch, opt_seq)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def check(self, where: str) -> None:
+        """Recorded limits are resolved: every field a positive integer."""
+        for name, value in self.to_dict().items():
+            if value is None or value < 1:
+                raise FieldError(f"{where}.{name}", f"must be a positive integer, got {value!r}")
 
 
 def default_prefill_chunk(max_batch: int, vocab_size: int, max_seq_len: int) -> int:
@@ -70,11 +74,8 @@ def default_prefill_chunk(max_batch: int, vocab_size: int, max_seq_len: int) -> 
     return min(chunk, max_seq_len)
 
 
-# -- profiles -------------------------------------------------------------------------------
-
-
 @dataclass
-class ProfileSpec:
+class ProfileSpec(Section):
     """One optimization profile: input name -> [min, opt, max] shapes."""
 
     name: str
@@ -83,14 +84,6 @@ class ProfileSpec:
     def range_of(self, input_name: str, axis: int) -> tuple[int, int]:
         lo, _, hi = self.shapes[input_name]
         return lo[axis], hi[axis]
-
-
-@dataclass
-class EngineSpec:
-    name: str  # "prefill" | "decode" | "model"
-    graph: str  # the manifest graph it is built from
-    file: str
-    profiles: list[ProfileSpec] = field(default_factory=list)
 
 
 def axis_ranges(kind: str, limits: BuildLimits) -> dict[str, tuple[int, int, int]]:
@@ -128,26 +121,6 @@ def graph_profile(name: str, graph: GraphSpec, ranges: dict[str, tuple[int, int,
     return ProfileSpec(name, shapes)
 
 
-def engine_specs(manifest: Manifest, limits: BuildLimits, layout: str) -> list[EngineSpec]:
-    """The engines (and their profiles) a build produces for ``layout``."""
-    for name in ("prefill", "decode"):
-        if name not in manifest.graphs:
-            raise ArtifactError(f"artifact has no {name} graph")
-    decode = manifest.graphs["decode"]
-    if layout == "split":
-        prefill = manifest.graphs["prefill"]
-        return [
-            EngineSpec("prefill", "prefill", "prefill.engine", [graph_profile("prefill", prefill, axis_ranges("prefill", limits))]),
-            EngineSpec("decode", "decode", "decode.engine", [graph_profile("decode", decode, axis_ranges("decode", limits))]),
-        ]
-    if layout == "shared":
-        return [EngineSpec("model", "decode", "model.engine", [
-            graph_profile("prefill", decode, axis_ranges("prefill_chunks", limits)),
-            graph_profile("decode", decode, axis_ranges("decode", limits)),
-        ])]
-    raise InputError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-
-
 def ort_trt_profile_options(profile: ProfileSpec) -> dict[str, str]:
     """The same profile in ONNX Runtime TensorRT provider syntax (``name:1x2x3,name2:...``)."""
     keys = ("trt_profile_min_shapes", "trt_profile_opt_shapes", "trt_profile_max_shapes")
@@ -155,11 +128,3 @@ def ort_trt_profile_options(profile: ProfileSpec) -> dict[str, str]:
         key: ",".join(f"{name}:{'x'.join(map(str, shapes[i]))}" for name, shapes in profile.shapes.items())
         for i, key in enumerate(keys)
     }
-
-
-def profile_to_dict(profile: ProfileSpec) -> dict:
-    return {"name": profile.name, "shapes": profile.shapes}
-
-
-def profile_from_dict(data: dict) -> ProfileSpec:
-    return ProfileSpec(data["name"], {k: [list(s) for s in v] for k, v in data["shapes"].items()})
