@@ -96,7 +96,94 @@ _BERT = {
     "layer_prefix": "encoder.layer.{i}.",
 }
 
-WEIGHT_RULES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2, "bert": _BERT}
+# -- phi, gpt_neox, stablelm, starcoder2, mixtral, qwen3_moe (issue 14) ---------------------
+# Extra ways to combine: "{e}" in a name repeats it per expert and stacks the results (experts
+# first); "{h}" per q head, "{hk}" per kv head; "heads_q"/"heads_k" repeat one [D] norm weight for
+# every head; "neox_qkv(_t)" reorders GPT-NeoX's per-head [q_h k_h v_h] rows into [q | k | v].
+_LN = lambda name, hf: [(f"{name}.weight", [f"{hf}.weight"], "copy"), (f"{name}.bias", [f"{hf}.bias"], "copy")]  # noqa: E731
+_QKV = ["self_attn.q_proj.{}", "self_attn.k_proj.{}", "self_attn.v_proj.{}"]
+_PHI = {
+    "prefixes": ("model.",),
+    "model": [("embed.weight", ["embed_tokens.weight"], "copy"), *_LN("norm", "final_layernorm"),
+              ("lm_head.bias", ["lm_head.bias"], "copy")],
+    "head": ("lm_head.weight", ["lm_head.weight"], "transpose"),
+    "layer": [
+        *_LN("attn_norm", "input_layernorm"),
+        ("attn.qkv.weight", [n.format("weight") for n in _QKV], "concat_t"),
+        ("attn.qkv.bias", [n.format("bias") for n in _QKV], "concat"),
+        ("attn.o.weight", ["self_attn.dense.weight"], "transpose"),
+        ("attn.o.bias", ["self_attn.dense.bias"], "copy"),
+        ("attn.q_norm.weight", ["self_attn.q_layernorm.weight"], "heads_q"),
+        ("attn.q_norm.bias", ["self_attn.q_layernorm.bias"], "heads_q"),
+        ("attn.k_norm.weight", ["self_attn.k_layernorm.weight"], "heads_k"),
+        ("attn.k_norm.bias", ["self_attn.k_layernorm.bias"], "heads_k"),
+        ("mlp.up.weight", ["mlp.fc1.weight"], "transpose"),
+        ("mlp.up.bias", ["mlp.fc1.bias"], "copy"),
+        ("mlp.down.weight", ["mlp.fc2.weight"], "transpose"),
+        ("mlp.down.bias", ["mlp.fc2.bias"], "copy"),
+    ],
+    "layer_prefix": "layers.{i}.",
+}
+_GPT_NEOX = {
+    "prefixes": ("gpt_neox.",),
+    "model": [("embed.weight", ["embed_in.weight"], "copy"), *_LN("norm", "final_layer_norm")],
+    "head": ("lm_head.weight", ["embed_out.weight"], "transpose"),
+    "layer": [
+        *_LN("attn_norm", "input_layernorm"),
+        *_LN("mlp_norm", "post_attention_layernorm"),
+        ("attn.qkv.weight", ["attention.query_key_value.weight"], "neox_qkv_t"),
+        ("attn.qkv.bias", ["attention.query_key_value.bias"], "neox_qkv"),
+        ("attn.o.weight", ["attention.dense.weight"], "transpose"),
+        ("attn.o.bias", ["attention.dense.bias"], "copy"),
+        ("mlp.up.weight", ["mlp.dense_h_to_4h.weight"], "transpose"),
+        ("mlp.up.bias", ["mlp.dense_h_to_4h.bias"], "copy"),
+        ("mlp.down.weight", ["mlp.dense_4h_to_h.weight"], "transpose"),
+        ("mlp.down.bias", ["mlp.dense_4h_to_h.bias"], "copy"),
+    ],
+    "layer_prefix": "layers.{i}.",
+}
+_LAYER_NORMED = {  # llama's layout with LayerNorm biases and a plain c_fc/c_proj MLP (starcoder2)
+    **_LLAMA,
+    "model": [*_LLAMA["model"], ("norm.bias", ["norm.bias"], "copy")],
+    "layer": [
+        *_LLAMA["layer"][:6],
+        *_LN("attn_norm", "input_layernorm")[1:],
+        *_LN("mlp_norm", "post_attention_layernorm")[1:],
+        ("mlp.up.weight", ["mlp.c_fc.weight"], "transpose"),
+        ("mlp.up.bias", ["mlp.c_fc.bias"], "copy"),
+        ("mlp.down.weight", ["mlp.c_proj.weight"], "transpose"),
+        ("mlp.down.bias", ["mlp.c_proj.bias"], "copy"),
+    ],
+}
+_STABLELM = {
+    **_LLAMA,
+    "model": _LAYER_NORMED["model"],
+    "layer": [
+        *_LLAMA["layer"], *_LN("attn_norm", "input_layernorm")[1:], *_LN("mlp_norm", "post_attention_layernorm")[1:],
+        ("attn.q_norm.weight", ["self_attn.q_layernorm.norms.{h}.weight"], "copy"),
+        ("attn.k_norm.weight", ["self_attn.k_layernorm.norms.{hk}.weight"], "copy"),
+    ],
+}
+_MOE = [
+    ("mlp.router", ["mlp.gate.weight"], "transpose"),
+    ("mlp.gate_up", ["mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"], "concat_t"),
+    ("mlp.down", ["mlp.experts.{e}.down_proj.weight"], "transpose"),
+]
+_QWEN3_MOE = {
+    **_LLAMA,
+    "layer": [*_LLAMA["layer"], *_MOE, ("attn.q_norm.weight", ["self_attn.q_norm.weight"], "copy"),
+              ("attn.k_norm.weight", ["self_attn.k_norm.weight"], "copy")],
+}
+_MIXTRAL = {
+    **_LLAMA,
+    "layer": [*_LLAMA["layer"], *[(ours, [n.replace("mlp.", "block_sparse_moe.").replace("gate_proj", "w1")
+                                           .replace("up_proj", "w3").replace("down_proj", "w2") for n in names], how)
+                                  for ours, names, how in _MOE]],
+}
+
+WEIGHT_RULES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2, "bert": _BERT,
+                "phi": _PHI, "gpt_neox": _GPT_NEOX, "stablelm": _STABLELM, "starcoder2": _LAYER_NORMED,
+                "mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE}
 
 
 @dataclass
@@ -161,6 +248,10 @@ def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch
     hf = {_strip(name, rules["prefixes"]): t for name, t in hf.items()}
 
     def take(names: list[str], how: str, required: bool) -> torch.Tensor | None:
+        if repeat := _repeat_key(names, spec):
+            key, count = repeat
+            parts = [take([n.replace(key, str(j)) for n in names], how, required) for j in range(count)]
+            return None if parts[0] is None else _stack(parts, key)
         present = [n for n in names if n in hf]
         if not present:
             if required:
@@ -170,11 +261,17 @@ def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch
             absent = sorted(set(names) - set(present))
             raise CheckpointError(f"weights are missing tensor {absent[0]!r}")
         parts = [hf[n].to(torch.float32) for n in names]
+        if how in _RESHAPES:
+            return _RESHAPES[how](parts[0], spec).contiguous()
         if how in ("transpose", "concat_t"):
             parts = [p.t() for p in parts]
         return torch.cat(parts, dim=-1).contiguous() if len(parts) > 1 or parts[0].dim() == 1 else parts[0].contiguous()
 
     def required(ours: str) -> bool:
+        if ours == "lm_head.bias":
+            return spec.lm_head_bias
+        if ".q_norm." in ours or ".k_norm." in ours:
+            return spec.qk_norm is not None and (ours.endswith(".weight") or spec.qk_norm_bias)
         if ours.endswith(".bias"):
             kind = "qkv" if ".qkv." in ours else "o" if ".o." in ours else "mlp" if ".mlp." in ours else "norm"
             return {"qkv": spec.qkv_bias, "o": spec.o_bias, "mlp": spec.mlp_bias}.get(kind, True)
@@ -194,10 +291,53 @@ def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch
     for i in range(spec.num_layers):
         layer = rules["layer_prefix"].format(i=i)
         for ours, names, how in rules["layer"]:
+            if not layer_has(spec, i, ours):
+                continue
             full = f"layers.{i}.{ours}"
             if (t := take([layer + n for n in names], how, required(full))) is not None:
                 out[full] = t
     return out
+
+
+def layer_has(spec: ModelSpec, i: int, ours: str) -> bool:
+    """Whether layer ``i`` has the weight ``ours`` (MoE layers have experts, dense ones an MLP)."""
+    sparse = bool(spec.sparse_layers and spec.sparse_layers[i])
+    if ours.startswith("mlp.up.") or ours.startswith("mlp.down."):
+        return not sparse
+    if ours in ("mlp.router", "mlp.gate_up", "mlp.down"):
+        return sparse
+    if ours.startswith("mlp_norm."):
+        return not spec.shared_block_norm
+    if ".q_norm." in ours or ".k_norm." in ours:
+        return spec.qk_norm is not None
+    return True
+
+
+def _repeat_key(names: list[str], spec: ModelSpec) -> tuple[str, int] | None:
+    for key, count in (("{e}", spec.num_experts), ("{h}", spec.num_heads), ("{hk}", spec.num_kv_heads)):
+        if key in names[0]:
+            return key, count
+    return None
+
+
+def _stack(parts: list[torch.Tensor], key: str) -> torch.Tensor:
+    # Per-head norm weights become [H,1,D] (llmx's HeadNorm broadcasts them over positions).
+    stacked = torch.stack(parts)
+    return stacked.unsqueeze(1) if key != "{e}" else stacked
+
+
+def _neox_qkv(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    # [H*3*D, ...] rows in per-head [q_h k_h v_h] order -> [q | k | v].
+    heads, dim = spec.num_heads, spec.head_dim
+    return t.reshape(heads, 3, dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+_RESHAPES = {
+    "neox_qkv": _neox_qkv,
+    "neox_qkv_t": lambda t, spec: _neox_qkv(t, spec).t(),
+    "heads_q": lambda t, spec: t.expand(spec.num_heads, 1, -1).clone(),
+    "heads_k": lambda t, spec: t.expand(spec.num_kv_heads, 1, -1).clone(),
+}
 
 
 def _strip(name: str, prefixes: tuple[str, ...]) -> str:

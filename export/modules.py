@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmx.export.moe import SparseMoE
 from llmx.rope import inv_freq_and_scale
 from llmx.spec import ModelSpec
 
@@ -86,10 +87,35 @@ class MLP(nn.Module):
         return self.down(h)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B,H,T,D]; cos/sin: [B,1,T,D/2]. Non-interleaved halves, as in HF Llama.
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    # x: [B,H,T,D]; cos/sin: [B,1,T,R/2]. Non-interleaved halves, as in HF Llama; with partial
+    # rotary (R = dim < D) the last D - R features pass through unrotated.
+    if dim is not None:
+        return torch.cat((rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class HeadNorm(nn.Module):
+    """q/k norm per head before rotary, on [B,H,T,D].
+
+    "layer" (phi, stablelm): LayerNorm over each head with weights [H,1,D] (stablelm has one norm
+    per head; phi's single norm is repeated per head by the loader). "rms" (qwen3): RMSNorm with
+    one weight [D] shared by the heads.
+    """
+
+    def __init__(self, kind: str, heads: int, dim: int, eps: float, bias: bool):
+        super().__init__()
+        self.kind, self.eps, self.dim = kind, eps, dim
+        shape = (heads, 1, dim) if kind == "layer" else (dim,)
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.bias = nn.Parameter(torch.zeros(shape)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rms":
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        y = F.layer_norm(x, (self.dim,), eps=self.eps) * self.weight
+        return y + self.bias if self.bias is not None else y
 
 
 class Attention(nn.Module):
@@ -101,6 +127,10 @@ class Attention(nn.Module):
         # q, k and v share one matmul for the same reason as the MLP's gate and up.
         self.qkv = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.o = Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.rotary_dim = spec.rotary_dim
+        if spec.qk_norm:
+            self.q_norm = HeadNorm(spec.qk_norm, spec.num_heads, spec.head_dim, spec.norm_eps, spec.qk_norm_bias)
+            self.k_norm = HeadNorm(spec.qk_norm, spec.num_kv_heads, spec.head_dim, spec.norm_eps, spec.qk_norm_bias)
 
     def project(self, x, rope):
         # x: [B,T,Hd] -> q [B,H,T,D], k/v [B,Hkv,T,D], rotary applied to q and k.
@@ -110,8 +140,10 @@ class Attention(nn.Module):
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)
+            q, k = rotate(q, *rope, self.rotary_dim), rotate(k, *rope, self.rotary_dim)
         return q, k, v
 
     def attend(self, q, k, v, allowed):
@@ -138,12 +170,21 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = make_norm(spec)
         self.attn = Attention(spec, layer)
-        self.mlp_norm = make_norm(spec)
-        self.mlp = MLP(spec)
+        self.parallel = spec.parallel_residual
+        self.mlp_norm = None if spec.shared_block_norm else make_norm(spec)
+        sparse = spec.sparse_layers and spec.sparse_layers[layer]
+        self.mlp = SparseMoE(spec, ACTIVATION_FNS[spec.activation]) if sparse else MLP(spec)
 
     def forward(self, x, attn_fn):
+        if self.parallel:
+            return self.parallel_forward(x, attn_fn)
         x = x + attn_fn(self.attn, self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+    def parallel_forward(self, x, attn_fn):
+        # Parallel residual (phi, gpt_neox, stablelm): attention and MLP both read the block's input.
+        h = self.attn_norm(x)
+        return x + attn_fn(self.attn, h) + self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
 
 
 class Decoder(nn.Module):
@@ -154,14 +195,14 @@ class Decoder(nn.Module):
         if spec.position == "learned":
             self.pos_embed = nn.Embedding(spec.max_position_embeddings, spec.hidden_size)
         else:
-            inv_freq, scale = inv_freq_and_scale(spec.rope, spec.head_dim, spec.max_position_embeddings)
+            inv_freq, scale = inv_freq_and_scale(spec.rope, spec.rotary_dim or spec.head_dim, spec.max_position_embeddings)
             self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)
             self.rope_scale = scale
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.num_layers))
         self.norm = make_norm(spec)
         # Tied checkpoints get a copy of the embedding here (loader's job): the lookup wants
         # [V,H] and the matmul [H,V], so one tensor cannot serve both without a transpose.
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias)
 
     # -- pieces shared by prefill and decode ------------------------------------------------
 

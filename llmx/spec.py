@@ -23,6 +23,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": dict(norm="layer", mlp="plain", position="learned", qkv_bias=True, o_bias=True, mlp_bias=True),
     # Encoders: post-norm blocks, token types, bidirectional attention, pooled output.
     "bert": dict(kind="encoder", norm="layer", mlp="plain", position="learned", qkv_bias=True, o_bias=True, mlp_bias=True),
+    # -- parallel blocks, partial rotary, per-head q/k LayerNorm, sparse MoE (issue 14) --------
+    "phi": dict(norm="layer", mlp="plain", position="rope", qkv_bias=True, o_bias=True, mlp_bias=True,
+                lm_head_bias=True, parallel="shared_norm", qk_norm_key="qk_layernorm", qk_norm_bias=True),
+    "gpt_neox": dict(norm="layer", mlp="plain", position="rope", qkv_bias_key="attention_bias", mlp_bias=True,
+                     parallel_key="use_parallel_residual", parallel="two_norms"),
+    "stablelm": dict(norm="layer", mlp="gated", position="rope", qkv_bias_key="use_qkv_bias", o_bias_key=None,
+                     parallel_key="use_parallel_residual", parallel="shared_norm", qk_norm_key="qk_layernorm"),
+    "starcoder2": dict(norm="layer", mlp="plain", position="rope", qkv_bias_key="use_bias", mlp_bias_key="use_bias"),
+    "mixtral": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key=None, moe=True),
+    "qwen3_moe": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", qk_norm="rms", moe=True),
 }
 
 # HF activation names -> the ones llmx implements.
@@ -71,6 +81,18 @@ class ModelSpec:
     pooling: str | None = None  # encoders: "mean" | "cls" | "max" | "mean_sqrt_len"
     normalize: bool = False  # encoders: L2-normalize the pooled embedding
     max_input_tokens: int | None = None  # encoders: inputs are truncated to this (sentence-transformers)
+    # -- parallel blocks, partial rotary, per-head q/k norm, sparse MoE (issue 14) ------------
+    parallel_residual: bool = False  # x + attn(norm1(x)) + mlp(norm2(x)) instead of two residual steps
+    shared_block_norm: bool = False  # parallel blocks whose MLP reads the attention's norm (no mlp_norm)
+    rotary_dim: int | None = None  # rotary on the first rotary_dim of each head; None: the whole head
+    qk_norm: str | None = None  # "layer": per-head LayerNorm on q and k before rotary; "rms": per-head RMSNorm
+    qk_norm_bias: bool = False  # the "layer" q/k norm has a bias
+    lm_head_bias: bool = False
+    num_experts: int = 0  # > 0: sparse MoE MLPs (router softmax, top-k experts)
+    experts_per_token: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
+    moe_intermediate_size: int = 0
+    sparse_layers: list[bool] = field(default_factory=list)  # which layers' MLPs are MoE
 
     @property
     def q_size(self) -> int:
@@ -112,8 +134,6 @@ def _rope_params(cfg: dict) -> dict[str, Any]:
     params["rope_type"] = rope_type
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError("partial rotary embeddings are not supported")
     return params
 
 
@@ -145,13 +165,13 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
             intermediate_size=int(_get(cfg, "intermediate_size", "n_inner", default=4 * hidden)),
             max_position_embeddings=int(_get(cfg, "max_position_embeddings", "n_positions")),
             norm=fam["norm"],
-            norm_eps=float(_get(cfg, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", default=1e-5)),
+            norm_eps=float(_get(cfg, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon", default=1e-5)),
             activation=ACTIVATIONS[act_name],
             mlp=fam["mlp"],
             position=fam["position"],
             qkv_bias=bool(fam.get("qkv_bias") or (fam.get("qkv_bias_key") and cfg.get(fam["qkv_bias_key"]))),
-            o_bias=bool(fam.get("o_bias") or (fam.get("qkv_bias_key") and cfg.get(fam["qkv_bias_key"]))),
-            mlp_bias=bool(fam.get("mlp_bias") or cfg.get("mlp_bias", False)),
+            o_bias=bool(fam.get("o_bias") or _flag(cfg, fam.get("o_bias_key", fam.get("qkv_bias_key")))),
+            mlp_bias=bool(fam.get("mlp_bias") or cfg.get(fam.get("mlp_bias_key", "mlp_bias"), False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gpt2")) and fam.get("kind") != "encoder",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_list(cfg.get("eos_token_id")),
@@ -166,6 +186,8 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
 
     if spec.position == "rope":
         spec.rope = _rope_params(cfg)
+    _parallel_rotary_qk_norm(spec, fam, cfg)
+    _sparse_moe(spec, fam, cfg)
     if spec.num_heads % spec.num_kv_heads:
         raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
 
@@ -187,3 +209,37 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         spec.sliding_layers = [t == "sliding_attention" for t in types] if types else [True] * layers
     return spec
 
+
+
+def _flag(cfg: dict, key: str | None) -> bool:
+    return bool(key and cfg.get(key))
+
+
+def _parallel_rotary_qk_norm(spec: ModelSpec, fam: dict, cfg: dict) -> None:
+    """Parallel attention + MLP, partial rotary, q/k norm and an LM head bias (phi, gpt_neox, stablelm)."""
+    if fam.get("parallel") and (fam.get("parallel_key") is None or cfg.get(fam["parallel_key"], True)):
+        spec.parallel_residual = True
+        spec.shared_block_norm = fam["parallel"] == "shared_norm"
+    if spec.position == "rope":
+        factor = _get(spec.rope, "partial_rotary_factor", default=_get(cfg, "partial_rotary_factor", "rotary_pct", default=1.0))
+        spec.rotary_dim = int(spec.head_dim * float(factor)) if float(factor) != 1.0 else None
+        if spec.rotary_dim is not None and (spec.rotary_dim % 2 or spec.rotary_dim <= 0):
+            raise CheckpointError(f"partial rotary over {spec.rotary_dim} of {spec.head_dim} dims: needs an even, positive count")
+    if fam.get("qk_norm") or _flag(cfg, fam.get("qk_norm_key")):
+        spec.qk_norm = fam.get("qk_norm", "layer")
+        spec.qk_norm_bias = bool(fam.get("qk_norm_bias"))
+    spec.lm_head_bias = bool(fam.get("lm_head_bias"))
+
+
+def _sparse_moe(spec: ModelSpec, fam: dict, cfg: dict) -> None:
+    """Sparse MoE MLPs: which layers are sparse (``mlp_only_layers``, ``decoder_sparse_step``), top-k, renormalizing."""
+    if not fam.get("moe"):
+        return
+    spec.num_experts = int(_get(cfg, "num_local_experts", "num_experts"))
+    spec.experts_per_token = int(cfg["num_experts_per_tok"])
+    spec.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+    spec.moe_intermediate_size = int(_get(cfg, "moe_intermediate_size", default=spec.intermediate_size))
+    dense, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step", 1) or 1)
+    spec.sparse_layers = [i not in dense and (i + 1) % step == 0 for i in range(spec.num_layers)]
+    if not 0 < spec.experts_per_token <= spec.num_experts:
+        raise CheckpointError(f"num_experts_per_tok {spec.experts_per_token} must be between 1 and {spec.num_experts}")

@@ -42,15 +42,35 @@ def train_tokenizer(directory: Path, vocab_size: int = 320) -> int:
     return tok.get_vocab_size()
 
 
+# -- parallel blocks, partial rotary, q/k LayerNorm, MoE (issue 14) ------------------------
+def _fam_b_configs() -> dict:
+    import transformers as T
+
+    return {"phi": T.PhiConfig, "gpt_neox": T.GPTNeoXConfig, "stablelm": T.StableLmConfig,
+            "starcoder2": T.Starcoder2Config, "mixtral": T.MixtralConfig, "qwen3_moe": T.Qwen3MoeConfig}
+
+
+FAM_B_EXTRA = {
+    "phi": dict(num_key_value_heads=4, partial_rotary_factor=0.5),
+    "gpt_neox": dict(num_key_value_heads=None, rotary_pct=0.25),  # MHA only; rotary on 4 of 16 dims
+    "stablelm": dict(num_key_value_heads=2, partial_rotary_factor=0.5),
+    "starcoder2": dict(sliding_window=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16),
+}
+
+
 def make_config(family: str, vocab_size: int, **overrides):
     import transformers as T
 
+    fam_b = _fam_b_configs()
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "gpt2":
         cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
         return T.GPT2Config(**{**cfg, **overrides})
-    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config}[family]
-    extra = {"mistral": dict(sliding_window=16, num_key_value_heads=1), "llama": dict(tie_word_embeddings=False)}.get(family, {})
+    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, **fam_b}[family]
+    extra = {"mistral": dict(sliding_window=16, num_key_value_heads=1), "llama": dict(tie_word_embeddings=False),
+             **FAM_B_EXTRA}.get(family, {})
     return cls(**{**TINY, **common, **extra, **overrides})
 
 
@@ -67,5 +87,10 @@ def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, **ove
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.mul_(2.5)
+            elif family in FAM_B_EXTRA:
+                # Norm weights and biases off their init (ones, zeros): a loader that swaps or
+                # drops one is caught, and no two weights share content (the ONNX exporter
+                # merges identical initializers, and later stages find weights by name).
+                p.add_(torch.randn_like(p) * 0.1)
     model.eval().save_pretrained(directory)
     return directory

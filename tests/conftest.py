@@ -35,7 +35,17 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "mistral": ("mistral", {}),  # sliding window 16, one KV head
     "qwen2": ("qwen2", {}),  # q/k/v bias
     "gpt2": ("gpt2", {}),  # learned positions, LayerNorm, GELU, Conv1D weights
+    # -- issue 14: one exported variant per family, each switching on several quirks at once;
+    # tests/test_families.py checks more settings against transformers in torch (no export).
+    "phi-qk-layernorm": ("phi", dict(qk_layernorm=True)),  # parallel block, one norm, rotary 8/16, head bias
+    "gpt_neox-tied": ("gpt_neox", dict(tie_word_embeddings=True)),  # parallel residual, two norms, rotary 4/16
+    "stablelm-parallel-qkv-bias": ("stablelm", dict(use_parallel_residual=True, use_qkv_bias=True, qk_layernorm=True)),
+    "starcoder2": ("starcoder2", {}),  # LayerNorm + biases, gelu_tanh c_fc/c_proj, window 16, tied
+    "mixtral": ("mixtral", {}),  # top-2 of 4 experts, renormalized
+    "qwen3_moe-dense-layer": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[1])),  # q/k RMSNorm
 }
+PADDED_VARIANTS = ["llama", "mistral", "gpt2", "phi-qk-layernorm", "gpt_neox-tied", "stablelm-parallel-qkv-bias",
+                   "starcoder2", "mixtral", "qwen3_moe-dense-layer"]
 
 
 class _Store:
