@@ -30,6 +30,7 @@ from llmx.rope import cos_sin_tables, inv_freq_and_scale
 from llmx.spec import ModelSpec
 from llmx.manifest import GraphSpec
 from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
+from llmx.optimize.moe import check_moe_supported, moe_layer
 from llmx.optimize.weights import SourceWeights
 
 INT32 = 6  # onnx.TensorProto.INT32
@@ -70,6 +71,7 @@ def check_supported(spec: ModelSpec) -> None:
         )
     if spec.activation not in ACTIVATIONS:
         raise ArtifactError(f"activation {spec.activation!r} has no fused kernel here")
+    check_moe_supported(spec, ACTIVATIONS[spec.activation])
 
 
 def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all_logits: bool = False):
@@ -90,12 +92,19 @@ def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all
         residual, h = _norm(ctx, x, skip if i == 0 else residual, f"model.layers.{i}.attn_norm",
                             f"model.layers.{i}.attn.qkv.weight", pending_bias)
         x, pending_bias = _attention(ctx, i, h)
-        residual, h = _norm(ctx, x, residual, f"model.layers.{i}.mlp_norm", f"model.layers.{i}.mlp.up.weight", pending_bias)
+        if spec.parallel_residual:
+            x, pending_bias = _parallel_mlp(ctx, i, residual, h, x, pending_bias)
+            continue
+        residual, h = _norm(ctx, x, residual, f"model.layers.{i}.mlp_norm", _mlp_input(spec, i), pending_bias)
         x, pending_bias = _mlp(ctx, i, h)
     _, h = _norm(ctx, x, residual, "model.norm", "model.lm_head.weight", pending_bias)
     if kind == "prefill" and not all_logits:
         h = _last_position(g, h, spec.hidden_size)
-    g.op("MatMul", [h, g.weight(w.get("model.lm_head.weight"))], ["logits"])
+    if spec.lm_head_bias:
+        h = g.op1("MatMul", [h, g.weight(w.get("model.lm_head.weight"))])
+        g.op("Add", [h, g.weight(w.get("model.lm_head.bias"))], ["logits"])
+    else:
+        g.op("MatMul", [h, g.weight(w.get("model.lm_head.weight"))], ["logits"])
     return g.model()
 
 
@@ -105,7 +114,7 @@ def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> C
     total = g.op1("Cast", [total64], to=INT32)
     cos = sin = bias = None
     if spec.position == "rope":
-        inv_freq, scale = inv_freq_and_scale(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        inv_freq, scale = inv_freq_and_scale(spec.rope, spec.rotary_dim or spec.head_dim, spec.max_position_embeddings)
         cos_t, sin_t = cos_sin_tables(inv_freq, scale, spec.max_position_embeddings)
         cos, sin = g.const(cos_t, "rope.cos_cache"), g.const(sin_t, "rope.sin_cache")
     if kind == "decode":
@@ -172,16 +181,16 @@ def _attention(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
     attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=float(spec.attention_scales[i]),
                  local_window_size=int(window) if window else -1)
     rope = spec.position == "rope"
-    if ctx.kind == "decode":
+    if ctx.kind == "decode" and not _heads_outside_gqa(spec):
         inputs = [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", ctx.seqlens_k, ctx.total_len]
         inputs += [ctx.cos, ctx.sin, ctx.position_ids] if rope else []
         attrs["do_rotary"] = int(rope)
+    elif ctx.kind == "decode":
+        q, k, v = _qkv_heads(ctx, i, qkv)
+        inputs = [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", ctx.seqlens_k, ctx.total_len]
+        attrs["do_rotary"] = 0
     else:
-        q, k, v = qkv, "", ""
-        if rope:
-            q, k, v = g.op("Split", [qkv, g.const([spec.q_size, spec.kv_size, spec.kv_size], dtype=np.int64)], 3, axis=-1)
-            q = g.op1("RotaryEmbedding", [q, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_heads)
-            k = g.op1("RotaryEmbedding", [k, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_kv_heads)
+        q, k, v = _qkv_heads(ctx, i, qkv) if rope or spec.qk_norm else (qkv, "", "")
         inputs = [q, k, v, "", "", ctx.seqlens_k, ctx.total_len, "", "", "", ctx.attention_bias]
     out = g.fresh("attn")
     g.op("GroupQueryAttention", inputs, [out, f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN, **attrs)
@@ -190,6 +199,8 @@ def _attention(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
 
 def _mlp(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
     g, spec = ctx.g, ctx.spec
+    if spec.sparse_layers and spec.sparse_layers[i]:
+        return moe_layer(g, ctx.w, spec, i, h, ACTIVATIONS[spec.activation]), None
     op, domain, attrs = ACTIVATIONS[spec.activation]
     prefix = f"model.layers.{i}.mlp"
     if spec.mlp == "gated":
@@ -203,6 +214,65 @@ def _mlp(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
         up, _ = _linear(ctx, h, f"{prefix}.up", spec.mlp_bias)
         act = g.op1(op, [up], domain=domain, **attrs)
     return _linear(ctx, act, f"{prefix}.down", spec.mlp_bias, fold_bias=True)
+
+
+# -- partial rotary, per-head q/k norm, parallel blocks (issue 14) ----------------------------
+
+def _heads_outside_gqa(spec: ModelSpec) -> bool:
+    """Partial rotary and q/k norm run as their own ops before GroupQueryAttention in decode too:
+    its built-in rotary covers whole heads (or a cos table width that is a multiple of 8) and
+    cannot normalize q and k first."""
+    return spec.rotary_dim is not None or spec.qk_norm is not None
+
+
+def _qkv_heads(ctx: Context, i: int, qkv: str) -> tuple[str, str, str]:
+    """Split the fused projection, normalize q and k per head, rotate (the first rotary_dim of) each head."""
+    g, spec = ctx.g, ctx.spec
+    q, k, v = g.op("Split", [qkv, g.const([spec.q_size, spec.kv_size, spec.kv_size], dtype=np.int64)], 3, axis=-1)
+    if spec.qk_norm:
+        q = _head_norm(ctx, q, f"model.layers.{i}.attn.q_norm", spec.num_heads)
+        k = _head_norm(ctx, k, f"model.layers.{i}.attn.k_norm", spec.num_kv_heads)
+    if spec.position == "rope":
+        partial = dict(rotary_embedding_dim=spec.rotary_dim) if spec.rotary_dim else {}
+        q = g.op1("RotaryEmbedding", [q, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_heads, **partial)
+        k = g.op1("RotaryEmbedding", [k, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_kv_heads, **partial)
+    return q, k, v
+
+
+def _head_norm(ctx: Context, x: str, prefix: str, heads: int) -> str:
+    """[B,T,heads*D] normalized over each head's D features: RMSNorm with one [D] weight, or LayerNorm with [heads,D]."""
+    g, spec, w, d = ctx.g, ctx.spec, ctx.w, ctx.spec.head_dim
+    y = g.op1("Reshape", [x, g.const([0, 0, heads, d], dtype=np.int64)])
+    if spec.qk_norm == "rms":
+        y = g.op1("SimplifiedLayerNormalization", [y, g.weight(w.get(f"{prefix}.weight"))], axis=-1, epsilon=float(spec.norm_eps))
+    else:
+        per_head = g.const([heads, d], dtype=np.int64)
+        y = g.op1("LayerNormalization", [y, g.const(np.ones(d, np.float32))], axis=-1, epsilon=float(spec.norm_eps))
+        y = g.op1("Mul", [y, g.op1("Reshape", [g.weight(w.get(f"{prefix}.weight")), per_head])])
+        if spec.qk_norm_bias:
+            y = g.op1("Add", [y, g.op1("Reshape", [g.weight(w.get(f"{prefix}.bias")), per_head])])
+    return g.op1("Reshape", [y, g.const([0, 0, heads * d], dtype=np.int64)])
+
+
+def _parallel_mlp(ctx: Context, i: int, residual: str, h: str, attn_out: str, attn_bias: str | None):
+    """Parallel blocks: the MLP reads the block's input (through the attention's norm, or its own),
+    and both outputs join the residual stream at the next skip-norm."""
+    g, spec, w = ctx.g, ctx.spec, ctx.w
+    if not spec.shared_block_norm:
+        prefix, up = f"model.layers.{i}.mlp_norm", _mlp_input(spec, i)
+        beta = [g.weight(w.norm_before(up, f"{prefix}.bias", 1))] if spec.norm == "layer" else []
+        op = "LayerNormalization" if spec.norm == "layer" else "SimplifiedLayerNormalization"
+        h = g.op1(op, [residual, g.weight(w.norm_before(up, f"{prefix}.weight", 0)), *beta], axis=-1, epsilon=float(spec.norm_eps))
+    mlp_out, mlp_bias = _mlp(ctx, i, h)
+    biases = [b for b in (attn_bias, mlp_bias) if b]
+    bias = g.op1("Add", biases) if len(biases) == 2 else (biases[0] if biases else None)
+    return g.op1("Add", [attn_out, mlp_out]), bias
+
+
+def _mlp_input(spec: ModelSpec, i: int) -> str:
+    """The weight of the MatMul the MLP's norm feeds (anchors a norm weight the exporter renamed)."""
+    sparse = spec.sparse_layers and spec.sparse_layers[i]
+    return f"model.layers.{i}.mlp.router" if sparse else f"model.layers.{i}.mlp.up.weight"
 
 
 def _last_position(g: GraphBuilder, h: str, hidden: int) -> str:

@@ -12,7 +12,8 @@ def register(cli: click.Group) -> None:
         """Export a local Hugging Face checkpoint directory to an artifact.
 
         \b
-        Decoders (Llama, Mistral, Qwen2, GPT-2) become prefill.onnx + decode.onnx sharing
+        Decoders (Llama, Mistral, Qwen2, GPT-2, Phi-2, GPT-NeoX/Pythia, StableLM,
+        StarCoder2, Mixtral, Qwen3-MoE) become prefill.onnx + decode.onnx sharing
         weights.bin; the tokenizer and a manifest (llmx.json) come along.
         """
         from llmx.export import export_checkpoint
