@@ -17,26 +17,28 @@ import torch
 
 from llmx.errors import CheckpointError
 from llmx.spec import ModelSpec, spec_from_hf_config
+from llmx.weight_names import all_weights, layer_weights, model_weights
 
-# (llmx name, HF names relative to a layer or the model, how to combine). "{i}" is the layer.
+# (llmx weight role (llmx.weight_names), HF names relative to a layer or the model, how to combine).
+# "{i}" is the layer.
 _LLAMA = {
     "prefixes": ("model.",),
     "model": [
-        ("embed.weight", ["embed_tokens.weight"], "copy"),
-        ("norm.weight", ["norm.weight"], "copy"),
+        ("embed", ["embed_tokens.weight"], "copy"),
+        ("norm", ["norm.weight"], "copy"),
     ],
-    "head": ("lm_head.weight", ["lm_head.weight"], "transpose"),
+    "head": ("lm_head", ["lm_head.weight"], "transpose"),
     "layer": [
-        ("attn_norm.weight", ["input_layernorm.weight"], "copy"),
-        ("attn.qkv.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], "concat_t"),
-        ("attn.qkv.bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], "concat"),
-        ("attn.o.weight", ["self_attn.o_proj.weight"], "transpose"),
-        ("attn.o.bias", ["self_attn.o_proj.bias"], "copy"),
-        ("mlp_norm.weight", ["post_attention_layernorm.weight"], "copy"),
-        ("mlp.up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "concat_t"),
-        ("mlp.up.bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"], "concat"),
-        ("mlp.down.weight", ["mlp.down_proj.weight"], "transpose"),
-        ("mlp.down.bias", ["mlp.down_proj.bias"], "copy"),
+        ("attn_norm", ["input_layernorm.weight"], "copy"),
+        ("qkv", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], "concat_t"),
+        ("qkv_bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], "concat"),
+        ("o", ["self_attn.o_proj.weight"], "transpose"),
+        ("o_bias", ["self_attn.o_proj.bias"], "copy"),
+        ("mlp_norm", ["post_attention_layernorm.weight"], "copy"),
+        ("up", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "concat_t"),
+        ("up_bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"], "concat"),
+        ("down", ["mlp.down_proj.weight"], "transpose"),
+        ("down_bias", ["mlp.down_proj.bias"], "copy"),
     ],
     "layer_prefix": "layers.{i}.",
 }
@@ -45,25 +47,25 @@ _LLAMA = {
 _GPT2 = {
     "prefixes": ("transformer.",),
     "model": [
-        ("embed.weight", ["wte.weight"], "copy"),
-        ("pos_embed.weight", ["wpe.weight"], "copy"),
-        ("norm.weight", ["ln_f.weight"], "copy"),
-        ("norm.bias", ["ln_f.bias"], "copy"),
+        ("embed", ["wte.weight"], "copy"),
+        ("pos_embed", ["wpe.weight"], "copy"),
+        ("norm", ["ln_f.weight"], "copy"),
+        ("norm_bias", ["ln_f.bias"], "copy"),
     ],
-    "head": ("lm_head.weight", ["lm_head.weight"], "transpose"),
+    "head": ("lm_head", ["lm_head.weight"], "transpose"),
     "layer": [
-        ("attn_norm.weight", ["ln_1.weight"], "copy"),
-        ("attn_norm.bias", ["ln_1.bias"], "copy"),
-        ("attn.qkv.weight", ["attn.c_attn.weight"], "copy"),
-        ("attn.qkv.bias", ["attn.c_attn.bias"], "copy"),
-        ("attn.o.weight", ["attn.c_proj.weight"], "copy"),
-        ("attn.o.bias", ["attn.c_proj.bias"], "copy"),
-        ("mlp_norm.weight", ["ln_2.weight"], "copy"),
-        ("mlp_norm.bias", ["ln_2.bias"], "copy"),
-        ("mlp.up.weight", ["mlp.c_fc.weight"], "copy"),
-        ("mlp.up.bias", ["mlp.c_fc.bias"], "copy"),
-        ("mlp.down.weight", ["mlp.c_proj.weight"], "copy"),
-        ("mlp.down.bias", ["mlp.c_proj.bias"], "copy"),
+        ("attn_norm", ["ln_1.weight"], "copy"),
+        ("attn_norm_bias", ["ln_1.bias"], "copy"),
+        ("qkv", ["attn.c_attn.weight"], "copy"),
+        ("qkv_bias", ["attn.c_attn.bias"], "copy"),
+        ("o", ["attn.c_proj.weight"], "copy"),
+        ("o_bias", ["attn.c_proj.bias"], "copy"),
+        ("mlp_norm", ["ln_2.weight"], "copy"),
+        ("mlp_norm_bias", ["ln_2.bias"], "copy"),
+        ("up", ["mlp.c_fc.weight"], "copy"),
+        ("up_bias", ["mlp.c_fc.bias"], "copy"),
+        ("down", ["mlp.c_proj.weight"], "copy"),
+        ("down_bias", ["mlp.c_proj.bias"], "copy"),
     ],
     "layer_prefix": "h.{i}.",
 }
@@ -72,26 +74,26 @@ _GPT2 = {
 _BERT = {
     "prefixes": ("bert.", "model."),
     "model": [
-        ("embed.weight", ["embeddings.word_embeddings.weight"], "copy"),
-        ("pos_embed.weight", ["embeddings.position_embeddings.weight"], "copy"),
-        ("type_embed.weight", ["embeddings.token_type_embeddings.weight"], "copy"),
-        ("embed_norm.weight", ["embeddings.LayerNorm.weight"], "copy"),
-        ("embed_norm.bias", ["embeddings.LayerNorm.bias"], "copy"),
+        ("embed", ["embeddings.word_embeddings.weight"], "copy"),
+        ("pos_embed", ["embeddings.position_embeddings.weight"], "copy"),
+        ("type_embed", ["embeddings.token_type_embeddings.weight"], "copy"),
+        ("embed_norm", ["embeddings.LayerNorm.weight"], "copy"),
+        ("embed_norm_bias", ["embeddings.LayerNorm.bias"], "copy"),
     ],
     "head": None,
     "layer": [
-        ("attn.qkv.weight", ["attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight"], "concat_t"),
-        ("attn.qkv.bias", ["attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias"], "concat"),
-        ("attn.o.weight", ["attention.output.dense.weight"], "transpose"),
-        ("attn.o.bias", ["attention.output.dense.bias"], "copy"),
-        ("attn_norm.weight", ["attention.output.LayerNorm.weight"], "copy"),
-        ("attn_norm.bias", ["attention.output.LayerNorm.bias"], "copy"),
-        ("mlp.up.weight", ["intermediate.dense.weight"], "transpose"),
-        ("mlp.up.bias", ["intermediate.dense.bias"], "copy"),
-        ("mlp.down.weight", ["output.dense.weight"], "transpose"),
-        ("mlp.down.bias", ["output.dense.bias"], "copy"),
-        ("mlp_norm.weight", ["output.LayerNorm.weight"], "copy"),
-        ("mlp_norm.bias", ["output.LayerNorm.bias"], "copy"),
+        ("qkv", ["attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight"], "concat_t"),
+        ("qkv_bias", ["attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias"], "concat"),
+        ("o", ["attention.output.dense.weight"], "transpose"),
+        ("o_bias", ["attention.output.dense.bias"], "copy"),
+        ("attn_norm", ["attention.output.LayerNorm.weight"], "copy"),
+        ("attn_norm_bias", ["attention.output.LayerNorm.bias"], "copy"),
+        ("up", ["intermediate.dense.weight"], "transpose"),
+        ("up_bias", ["intermediate.dense.bias"], "copy"),
+        ("down", ["output.dense.weight"], "transpose"),
+        ("down_bias", ["output.dense.bias"], "copy"),
+        ("mlp_norm", ["output.LayerNorm.weight"], "copy"),
+        ("mlp_norm_bias", ["output.LayerNorm.bias"], "copy"),
     ],
     "layer_prefix": "encoder.layer.{i}.",
 }
@@ -156,47 +158,39 @@ def read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensor names -> llmx module names, as float32. Raises on missing tensors."""
+    """HF tensor names -> llmx module names (llmx.weight_names), as float32. Raises on missing tensors.
+
+    The declaration decides which weights the model has: a rule whose weight the spec lacks is
+    skipped, a declared weight no rule produces is an error (a half-added family).
+    """
     rules = WEIGHT_RULES[spec.family]
     hf = {_strip(name, rules["prefixes"]): t for name, t in hf.items()}
 
-    def take(names: list[str], how: str, required: bool) -> torch.Tensor | None:
-        present = [n for n in names if n in hf]
-        if not present:
-            if required:
-                raise CheckpointError(f"weights are missing tensor {names[0]!r}")
-            return None
-        if len(present) != len(names):
-            absent = sorted(set(names) - set(present))
+    def take(names: list[str], how: str) -> torch.Tensor:
+        absent = [n for n in names if n not in hf]
+        if absent:
             raise CheckpointError(f"weights are missing tensor {absent[0]!r}")
         parts = [hf[n].to(torch.float32) for n in names]
         if how in ("transpose", "concat_t"):
             parts = [p.t() for p in parts]
         return torch.cat(parts, dim=-1).contiguous() if len(parts) > 1 or parts[0].dim() == 1 else parts[0].contiguous()
 
-    def required(ours: str) -> bool:
-        if ours.endswith(".bias"):
-            kind = "qkv" if ".qkv." in ours else "o" if ".o." in ours else "mlp" if ".mlp." in ours else "norm"
-            return {"qkv": spec.qkv_bias, "o": spec.o_bias, "mlp": spec.mlp_bias}.get(kind, True)
-        return True
-
     out: dict[str, torch.Tensor] = {}
-    for ours, names, how in rules["model"]:
-        if ours == "pos_embed.weight" and spec.position != "learned":
-            continue
-        if (t := take(names, how, required(ours))) is not None:
-            out[ours] = t
-    if spec.kind == "decoder" and spec.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed.weight"].t().contiguous()
-    elif spec.kind == "decoder":
-        ours, names, how = rules["head"]
-        out[ours] = take(names, how, True)
+    declared = model_weights(spec)
+    head = [rules["head"]] if rules["head"] and not spec.tie_word_embeddings else []
+    for role, names, how in [*rules["model"], *head]:
+        if role in declared:
+            out[declared[role]] = take(names, how)
+    if "lm_head" in declared and spec.tie_word_embeddings:
+        out[declared["lm_head"]] = out[declared["embed"]].t().contiguous()
     for i in range(spec.num_layers):
-        layer = rules["layer_prefix"].format(i=i)
-        for ours, names, how in rules["layer"]:
-            full = f"layers.{i}.{ours}"
-            if (t := take([layer + n for n in names], how, required(full))) is not None:
-                out[full] = t
+        layer, declared_here = rules["layer_prefix"].format(i=i), layer_weights(spec, i)
+        for role, names, how in rules["layer"]:
+            if role in declared_here:
+                out[declared_here[role]] = take([layer + n for n in names], how)
+    unmapped = [name for name in all_weights(spec) if name not in out]
+    if unmapped:
+        raise CheckpointError(f"internal error: no {spec.family} weight rule gives {unmapped[0]}")
     return out
 
 

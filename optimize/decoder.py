@@ -29,6 +29,7 @@ from llmx.errors import ArtifactError
 from llmx.rope import cos_sin_tables, inv_freq_and_scale
 from llmx.spec import ModelSpec
 from llmx.manifest import GraphSpec
+from llmx.weight_names import graph_name, layer_weights, model_weights
 from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
 from llmx.optimize.weights import SourceWeights
 
@@ -80,23 +81,29 @@ def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all
     for t in io.outputs:
         g.output(t.name, t.dtype, t.shape)
     ctx = _context(g, spec, w, kind)
-    x = g.op1("Gather", [g.weight(w.get("model.embed.weight")), "input_ids"])
+    names = _names(model_weights(spec))
+    x = g.op1("Gather", [g.weight(w.get(names["embed"])), "input_ids"])
     if spec.position == "learned":
-        skip = g.op1("Gather", [g.weight(w.get("model.pos_embed.weight")), "position_ids"])
+        skip = g.op1("Gather", [g.weight(w.get(names["pos_embed"])), "position_ids"])
     else:
         skip = None
     residual, pending_bias = None, None
     for i in range(spec.num_layers):
-        residual, h = _norm(ctx, x, skip if i == 0 else residual, f"model.layers.{i}.attn_norm",
-                            f"model.layers.{i}.attn.qkv.weight", pending_bias)
-        x, pending_bias = _attention(ctx, i, h)
-        residual, h = _norm(ctx, x, residual, f"model.layers.{i}.mlp_norm", f"model.layers.{i}.mlp.up.weight", pending_bias)
-        x, pending_bias = _mlp(ctx, i, h)
-    _, h = _norm(ctx, x, residual, "model.norm", "model.lm_head.weight", pending_bias)
+        layer = _names(layer_weights(spec, i))
+        residual, h = _norm(ctx, x, skip if i == 0 else residual, layer, "attn_norm", layer["qkv"], pending_bias)
+        x, pending_bias = _attention(ctx, i, layer, h)
+        residual, h = _norm(ctx, x, residual, layer, "mlp_norm", layer["up"], pending_bias)
+        x, pending_bias = _mlp(ctx, layer, h)
+    _, h = _norm(ctx, x, residual, names, "norm", names["lm_head"], pending_bias)
     if kind == "prefill" and not all_logits:
         h = _last_position(g, h, spec.hidden_size)
-    g.op("MatMul", [h, g.weight(w.get("model.lm_head.weight"))], ["logits"])
+    g.op("MatMul", [h, g.weight(w.get(names["lm_head"]))], ["logits"])
     return g.model()
+
+
+def _names(declared: dict[str, str]) -> dict[str, str]:
+    """role -> the exported graphs' initializer name (llmx.weight_names)."""
+    return {role: graph_name(name) for role, name in declared.items()}
 
 
 def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> Context:
@@ -130,11 +137,12 @@ def _padding_bias(g: GraphBuilder, mask: str, batch: str) -> str:
     return g.op1("Expand", [per_key, shape])
 
 
-def _norm(ctx: Context, x: str, skip: str | None, prefix: str, next_matmul: str, bias: str | None) -> tuple[str, str]:
-    """(residual stream x + skip + bias, its norm). The first norm of the model has no skip."""
+def _norm(ctx: Context, x: str, skip: str | None, names: dict[str, str], role: str, next_matmul: str,
+          bias: str | None) -> tuple[str, str]:
+    """(residual stream x + skip + bias, its norm ``role``). The first norm of the model has no skip."""
     g, spec, w = ctx.g, ctx.spec, ctx.w
-    gamma = g.weight(w.norm_before(next_matmul, f"{prefix}.weight", 0))
-    beta = [g.weight(w.norm_before(next_matmul, f"{prefix}.bias", 1))] if spec.norm == "layer" else []
+    gamma = g.weight(w.norm_before(next_matmul, names[role], 0))
+    beta = [g.weight(w.norm_before(next_matmul, names[f"{role}_bias"], 1))] if spec.norm == "layer" else []
     eps = float(spec.norm_eps)
     if skip is None:
         op = "SimplifiedLayerNormalization" if spec.norm == "rms" else "LayerNormalization"
@@ -151,23 +159,23 @@ def _norm(ctx: Context, x: str, skip: str | None, prefix: str, next_matmul: str,
     return total, normed
 
 
-def _linear(ctx: Context, x: str, prefix: str, has_bias: bool, fold_bias: bool = False) -> tuple[str, str | None]:
-    """x @ W (+ b). With ``fold_bias`` the bias is returned for the next fused op to add."""
+def _linear(ctx: Context, x: str, names: dict[str, str], role: str, fold_bias: bool = False) -> tuple[str, str | None]:
+    """x @ W (+ b) for the weight ``role``. With ``fold_bias`` the bias is returned for the next fused op to add."""
     g, w = ctx.g, ctx.w
-    y = g.op1("MatMul", [x, g.weight(w.get(f"{prefix}.weight"))])
-    if not has_bias:
+    y = g.op1("MatMul", [x, g.weight(w.get(names[role]))])
+    if f"{role}_bias" not in names:
         return y, None
-    bias = w.bias_after(f"{prefix}.weight", f"{prefix}.bias")
+    bias = w.bias_after(names[role], names[f"{role}_bias"])
     if bias is None:
-        raise ArtifactError(f"cannot find {prefix}.bias in the exported graph")
+        raise ArtifactError(f"cannot find {names[f'{role}_bias']} in the exported graph")
     if fold_bias:
         return y, g.weight(bias)
     return g.op1("Add", [y, g.weight(bias)]), None
 
 
-def _attention(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
+def _attention(ctx: Context, i: int, names: dict[str, str], h: str) -> tuple[str, str | None]:
     g, spec = ctx.g, ctx.spec
-    qkv, _ = _linear(ctx, h, f"model.layers.{i}.attn.qkv", spec.qkv_bias)
+    qkv, _ = _linear(ctx, h, names, "qkv")
     window = spec.sliding_window if spec.sliding_layers and spec.sliding_layers[i] else None
     attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=float(spec.attention_scales[i]),
                  local_window_size=int(window) if window else -1)
@@ -185,24 +193,23 @@ def _attention(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
         inputs = [q, k, v, "", "", ctx.seqlens_k, ctx.total_len, "", "", "", ctx.attention_bias]
     out = g.fresh("attn")
     g.op("GroupQueryAttention", inputs, [out, f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN, **attrs)
-    return _linear(ctx, out, f"model.layers.{i}.attn.o", spec.o_bias, fold_bias=True)
+    return _linear(ctx, out, names, "o", fold_bias=True)
 
 
-def _mlp(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
+def _mlp(ctx: Context, names: dict[str, str], h: str) -> tuple[str, str | None]:
     g, spec = ctx.g, ctx.spec
     op, domain, attrs = ACTIVATIONS[spec.activation]
-    prefix = f"model.layers.{i}.mlp"
     if spec.mlp == "gated":
-        up, _ = _linear(ctx, h, f"{prefix}.up", spec.mlp_bias)
+        up, _ = _linear(ctx, h, names, "up")
         gate, up = g.op("Split", [up, g.const([spec.intermediate_size] * 2, dtype=np.int64)], 2, axis=-1)
         act = g.op1("Mul", [g.op1(op, [gate], domain=domain, **attrs), up])
     elif op == "FastGelu" and spec.mlp_bias:  # FastGelu adds the up projection's bias itself
-        up, bias = _linear(ctx, h, f"{prefix}.up", True, fold_bias=True)
+        up, bias = _linear(ctx, h, names, "up", fold_bias=True)
         act = g.op1(op, [up, bias], domain=domain, **attrs)
     else:
-        up, _ = _linear(ctx, h, f"{prefix}.up", spec.mlp_bias)
+        up, _ = _linear(ctx, h, names, "up")
         act = g.op1(op, [up], domain=domain, **attrs)
-    return _linear(ctx, act, f"{prefix}.down", spec.mlp_bias, fold_bias=True)
+    return _linear(ctx, act, names, "down", fold_bias=True)
 
 
 def _last_position(g: GraphBuilder, h: str, hidden: int) -> str:
