@@ -98,7 +98,31 @@ _BERT = {
     "layer_prefix": "encoder.layer.{i}.",
 }
 
-WEIGHT_RULES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2, "bert": _BERT}
+def _llama_with(*rows: tuple[str, list[str], str]) -> dict:
+    """Llama's layout with these layer rows added or (same role) replaced."""
+    roles = {row[0] for row in rows}
+    return {**_LLAMA, "layer": [r for r in _LLAMA["layer"] if r[0] not in roles] + list(rows)}
+
+
+_QK_NORM = [("q_norm", ["self_attn.q_norm.weight"], "copy"), ("k_norm", ["self_attn.k_norm.weight"], "copy")]
+# Gemma 2/3 and OLMo 2 name the norm after attention post_attention_layernorm (Llama's name for the pre-MLP norm).
+_POST_NORMS = [("post_attn_norm", ["post_attention_layernorm.weight"], "copy"),
+               ("post_mlp_norm", ["post_feedforward_layernorm.weight"], "copy")]
+_GEMMA2 = _llama_with(("mlp_norm", ["pre_feedforward_layernorm.weight"], "copy"), *_POST_NORMS)
+# Phi-3 stores q/k/v and gate/up fused already, in llmx's order.
+_PHI3 = _llama_with(("qkv", ["self_attn.qkv_proj.weight"], "transpose"), ("up", ["mlp.gate_up_proj.weight"], "transpose"))
+
+WEIGHT_RULES = {
+    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2, "bert": _BERT,
+    "qwen3": _llama_with(*_QK_NORM),
+    "gemma": _LLAMA,
+    "gemma2": _GEMMA2,
+    "gemma3_text": {**_GEMMA2, "layer": _GEMMA2["layer"] + _QK_NORM},
+    "granite": _LLAMA,
+    "olmo2": _llama_with(*_QK_NORM, *_POST_NORMS),
+    "smollm3": _LLAMA,
+    "phi3": _PHI3,
+}
 
 
 @dataclass
@@ -191,7 +215,29 @@ def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch
     unmapped = [name for name in all_weights(spec) if name not in out]
     if unmapped:
         raise CheckpointError(f"internal error: no {spec.family} weight rule gives {unmapped[0]}")
+    _fold_multipliers(spec, out)
     return out
+
+
+def _fold_multipliers(spec: ModelSpec, out: dict[str, torch.Tensor]) -> None:
+    """Apply the spec's constant factors to the weights they multiply, so no graph needs a node for them.
+
+    Each is the same single fp32 operation the reference does at run time (Gemma's ``1 + w``
+    norms, scaled embeddings) or moves a scalar across a matmul (Granite's multipliers), which
+    changes results only by float rounding. A tied head was copied from the unscaled table.
+    """
+    scopes = [model_weights(spec)] + [layer_weights(spec, i) for i in range(spec.num_layers)]
+    with torch.no_grad():
+        for scope in scopes:
+            for role, name in scope.items():
+                if spec.norm_offset and spec.norm == "rms" and role.endswith("norm"):
+                    out[name] += spec.norm_offset
+                if spec.residual_scale != 1.0 and role in ("o", "o_bias", "down", "down_bias"):
+                    out[name] *= spec.residual_scale
+        if spec.embed_scale != 1.0:
+            out[scopes[0]["embed"]] *= torch.tensor(spec.embed_scale, dtype=torch.float32)
+        if spec.logits_scale != 1.0:
+            out[scopes[0]["lm_head"]] /= spec.logits_scale
 
 
 def _strip(name: str, prefixes: tuple[str, ...]) -> str:

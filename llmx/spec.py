@@ -19,7 +19,19 @@ from llmx.errors import CheckpointError
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias"),
     "mistral": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key=None),
-    "qwen2": dict(norm="rms", mlp="gated", position="rope", qkv_bias=True),
+    "qwen2": dict(norm="rms", mlp="gated", position="rope", qkv_bias=True, window_switch="use_sliding_window"),
+    "qwen3": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", qk_norm="head",
+                  window_switch="use_sliding_window"),
+    "gemma": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", gemma=True),
+    "gemma2": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", gemma=True, post_norms=True),
+    "gemma3_text": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", gemma=True,
+                        post_norms=True, qk_norm="head"),
+    "granite": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", granite=True),
+    "olmo2": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", qk_norm="full",
+                  pre_norms=False, post_norms=True),
+    "smollm3": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias",
+                    window_switch="use_sliding_window"),
+    "phi3": dict(norm="rms", mlp="gated", position="rope"),
     "gpt2": dict(norm="layer", mlp="plain", position="learned", qkv_bias=True, o_bias=True, mlp_bias=True),
     # Encoders: post-norm blocks, token types, bidirectional attention, pooled output.
     "bert": dict(kind="encoder", norm="layer", mlp="plain", position="learned", qkv_bias=True, o_bias=True, mlp_bias=True),
@@ -36,7 +48,7 @@ ACTIVATIONS = {
     "relu": "relu",
 }
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass
@@ -71,6 +83,20 @@ class ModelSpec:
     pooling: str | None = None  # encoders: "mean" | "cls" | "max" | "mean_sqrt_len"
     normalize: bool = False  # encoders: L2-normalize the pooled embedding
     max_input_tokens: int | None = None  # encoders: inputs are truncated to this (sentence-transformers)
+
+    # -- Qwen3, Gemma 1/2/3, Granite, OLMo 2, SmolLM3, Phi-3 (issue 14) ------------------------
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (over head_dim) | "full" (over q/kv width)
+    pre_norms: bool = True  # a norm before attention and before the MLP (OLMo 2 has none)
+    post_norms: bool = False  # a norm on attention's and the MLP's output before the residual add
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    rope_local: dict[str, Any] = field(default_factory=dict)  # RoPE of sliding-window layers, when it differs
+    rope_layers: list[bool] = field(default_factory=list)  # which layers apply RoPE; empty: all of them
+    # Applied to the weights by the loader (export/checkpoint.py), so no graph needs a node for them:
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w) (Gemma: 1)
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden), Granite: embedding_multiplier)
+    residual_scale: float = 1.0  # attention and MLP outputs multiplied by it (Granite)
+    logits_scale: float = 1.0  # logits divided by it (Granite's logits_scaling)
 
     @property
     def q_size(self) -> int:
@@ -112,8 +138,10 @@ def _rope_params(cfg: dict) -> dict[str, Any]:
     params["rope_type"] = rope_type
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0 or params.get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError("partial rotary embeddings are not supported")
+    if rope_type == "longrope":
+        params.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     return params
 
 
@@ -131,7 +159,7 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         heads = int(_get(cfg, "num_attention_heads", "n_head"))
         layers = int(_get(cfg, "num_hidden_layers", "n_layer"))
         head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
-        act_name = _get(cfg, "hidden_act", "activation_function", default="silu")
+        act_name = _get(cfg, "hidden_act", "hidden_activation", "activation_function", default="silu")
         if act_name not in ACTIVATIONS:
             raise CheckpointError(f"activation {act_name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         spec = ModelSpec(
@@ -166,10 +194,13 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
 
     if spec.position == "rope":
         spec.rope = _rope_params(cfg)
+    _family_features(spec, cfg, fam)
     if spec.num_heads % spec.num_kv_heads:
         raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
 
-    scale = 1.0 / math.sqrt(spec.head_dim)
+    scale = 1.0 / math.sqrt(float(cfg.get("query_pre_attn_scalar") or spec.head_dim))
+    if fam.get("granite"):
+        scale = float(cfg.get("attention_multiplier", scale))
     if model_type == "gpt2":
         if not cfg.get("scale_attn_weights", True):
             scale = 1.0
@@ -179,7 +210,7 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         spec.attention_scales = [scale] * layers
 
     window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if fam.get("window_switch") and not cfg.get(fam["window_switch"], False):
         window = None
     if window:
         spec.sliding_window = int(window)
@@ -187,3 +218,27 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         spec.sliding_layers = [t == "sliding_attention" for t in types] if types else [True] * layers
     return spec
 
+
+
+def _family_features(spec: ModelSpec, cfg: dict, fam: dict[str, Any]) -> None:
+    """The issue-14 features: q/k norm, norm placement, soft-capping, per-layer RoPE, multipliers."""
+    spec.qk_norm = fam.get("qk_norm")
+    spec.pre_norms = fam.get("pre_norms", True)
+    spec.post_norms = fam.get("post_norms", False)
+    spec.attn_softcap = cfg.get("attn_logit_softcapping")
+    spec.final_softcap = cfg.get("final_logit_softcapping")
+    if spec.position == "rope" and "full_attention" in spec.rope:  # per layer type (Gemma 3)
+        by_type = {**cfg.get("rope_parameters", {})}
+        spec.rope = _rope_params({**cfg, "rope_parameters": by_type["full_attention"]})
+        spec.rope_local = _rope_params({**cfg, "rope_parameters": by_type.get("sliding_attention") or by_type["full_attention"]})
+    elif spec.position == "rope" and cfg.get("rope_local_base_freq"):  # older Gemma 3 configs
+        spec.rope_local = {**spec.rope, "rope_type": "default", "rope_theta": float(cfg["rope_local_base_freq"])}
+    if cfg.get("no_rope_layers") is not None:  # 1 = the layer applies RoPE (SmolLM3)
+        spec.rope_layers = [bool(v) for v in cfg["no_rope_layers"]]
+    if fam.get("gemma"):
+        spec.norm_offset = 1.0
+        spec.embed_scale = math.sqrt(spec.hidden_size)
+    if fam.get("granite"):
+        spec.embed_scale = float(cfg.get("embedding_multiplier", 1.0))
+        spec.residual_scale = float(cfg.get("residual_multiplier", 1.0))
+        spec.logits_scale = float(cfg.get("logits_scaling", 1.0))

@@ -55,20 +55,32 @@ MODEL_WEIGHTS: tuple[Weight, ...] = (
     Weight("embed_norm_bias", "embed_norm.bias", lambda s: _encoder(s) and _layer_norm(s)),
 )
 
+def _pre_norms(spec: ModelSpec) -> bool:
+    return spec.pre_norms
+
+
+def _pre_layer_norm(spec: ModelSpec) -> bool:
+    return spec.pre_norms and spec.norm == "layer"
+
+
 # In encoders (post-norm) attn_norm and mlp_norm are the norms after each residual add.
 LAYER_WEIGHTS: tuple[Weight, ...] = (
-    Weight("attn_norm", "attn_norm.weight", _always),
-    Weight("attn_norm_bias", "attn_norm.bias", _layer_norm),
+    Weight("attn_norm", "attn_norm.weight", _pre_norms),
+    Weight("attn_norm_bias", "attn_norm.bias", _pre_layer_norm),
     Weight("qkv", "attn.qkv.weight", _always),
     Weight("qkv_bias", "attn.qkv.bias", lambda s: s.qkv_bias),
+    Weight("q_norm", "attn.q_norm.weight", lambda s: bool(s.qk_norm)),
+    Weight("k_norm", "attn.k_norm.weight", lambda s: bool(s.qk_norm)),
     Weight("o", "attn.o.weight", _always),
     Weight("o_bias", "attn.o.bias", lambda s: s.o_bias),
-    Weight("mlp_norm", "mlp_norm.weight", _always),
-    Weight("mlp_norm_bias", "mlp_norm.bias", _layer_norm),
+    Weight("post_attn_norm", "post_attn_norm.weight", lambda s: s.post_norms),
+    Weight("mlp_norm", "mlp_norm.weight", _pre_norms),
+    Weight("mlp_norm_bias", "mlp_norm.bias", _pre_layer_norm),
     Weight("up", "mlp.up.weight", _always),  # gated MLPs: [gate | up] along the output axis
     Weight("up_bias", "mlp.up.bias", lambda s: s.mlp_bias),
     Weight("down", "mlp.down.weight", _always),
     Weight("down_bias", "mlp.down.bias", lambda s: s.mlp_bias),
+    Weight("post_mlp_norm", "post_mlp_norm.weight", lambda s: s.post_norms),
 )
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmx.errors import ArtifactError
-from llmx.rope import cos_sin_tables, inv_freq_and_scale
+from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold, rope_table
 from llmx.spec import ModelSpec
 from llmx.manifest import GraphSpec
 from llmx.weight_names import graph_name, layer_weights, model_weights
@@ -56,9 +56,7 @@ class Context:
     kind: str  # "prefill" | "decode"
     seqlens_k: str
     total_len: str
-    position_ids: str
-    cos: str | None
-    sin: str | None
+    rotary: dict[str, tuple[str, str, str]]  # rope table -> (cos cache, sin cache, positions to read it at)
     attention_bias: str | None  # prefill only: padding mask as an additive bias
 
 
@@ -71,6 +69,10 @@ def check_supported(spec: ModelSpec) -> None:
         )
     if spec.activation not in ACTIVATIONS:
         raise ArtifactError(f"activation {spec.activation!r} has no fused kernel here")
+    if spec.norm != "rms" and (spec.qk_norm or spec.post_norms):
+        # The fused blocks for q/k norm and post-norms are RMSNorm (SimplifiedLayerNormalization) only.
+        feature = "q/k norm" if spec.qk_norm else "post-norms"
+        raise ArtifactError(f"{feature} with LayerNorm has no fused block here; use the exported artifact as is")
 
 
 def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all_logits: bool = False):
@@ -90,14 +92,17 @@ def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all
     residual, pending_bias = None, None
     for i in range(spec.num_layers):
         layer = _names(layer_weights(spec, i))
-        residual, h = _norm(ctx, x, skip if i == 0 else residual, layer, "attn_norm", layer["qkv"], pending_bias)
-        x, pending_bias = _attention(ctx, i, layer, h)
-        residual, h = _norm(ctx, x, residual, layer, "mlp_norm", layer["up"], pending_bias)
-        x, pending_bias = _mlp(ctx, layer, h)
+        residual, h = _pre_norm(ctx, x, skip if i == 0 else residual, layer, "attn_norm", layer["qkv"], pending_bias)
+        x, pending_bias = _post_norm(ctx, *_attention(ctx, i, layer, h), layer, "post_attn_norm")
+        residual, h = _pre_norm(ctx, x, residual, layer, "mlp_norm", layer["up"], pending_bias)
+        x, pending_bias = _post_norm(ctx, *_mlp(ctx, layer, h), layer, "post_mlp_norm")
     _, h = _norm(ctx, x, residual, names, "norm", names["lm_head"], pending_bias)
     if kind == "prefill" and not all_logits:
         h = _last_position(g, h, spec.hidden_size)
-    g.op("MatMul", [h, g.weight(w.get(names["lm_head"]))], ["logits"])
+    logits = g.fresh("raw_logits") if spec.final_softcap else "logits"
+    g.op("MatMul", [h, g.weight(w.get(names["lm_head"]))], [logits])
+    if spec.final_softcap:
+        _softcap(g, logits, spec.final_softcap, "logits")
     return g.model()
 
 
@@ -110,11 +115,11 @@ def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> C
     mask = "attention_mask"
     total64 = g.op1("Squeeze", [g.op1("Shape", [mask], start=1, end=2), g.const([0], dtype=np.int64)])
     total = g.op1("Cast", [total64], to=INT32)
-    cos = sin = bias = None
+    bias = None
+    rotary = {}
     if spec.position == "rope":
-        inv_freq, scale = inv_freq_and_scale(spec.rope, spec.head_dim, spec.max_position_embeddings)
-        cos_t, sin_t = cos_sin_tables(inv_freq, scale, spec.max_position_embeddings)
-        cos, sin = g.const(cos_t, "rope.cos_cache"), g.const(sin_t, "rope.sin_cache")
+        tables = {"main": spec.rope, **({"local": spec.rope_local} if spec.rope_local else {})}
+        rotary = {name: _rotary(g, spec, rope, "rope" if name == "main" else f"rope_{name}") for name, rope in tables.items()}
     if kind == "decode":
         # Rows hold sum(mask) tokens after this step; the new ones go to the last slots.
         count = g.op1("ReduceSum", [mask, g.const([1], dtype=np.int64)], keepdims=0)
@@ -125,7 +130,28 @@ def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> C
         last = g.op1("Sub", [total64, g.const(1, dtype=np.int64)])
         seqlens = g.op1("Cast", [g.op1("Expand", [last, batch])], to=INT32)
         bias = _padding_bias(g, mask, batch)
-    return Context(g, spec, w, kind, seqlens, total, "position_ids", cos, sin, bias)
+    return Context(g, spec, w, kind, seqlens, total, rotary, bias)
+
+
+def _rotary(g: GraphBuilder, spec: ModelSpec, rope: dict, name: str) -> tuple[str, str, str]:
+    """cos/sin caches of one RoPE config and the positions to read them at.
+
+    LongRoPE: the long set is stored after the short one, and a call whose largest position
+    reaches past the threshold reads it by offsetting every position by the table length;
+    transformers switches the same way (per call, every position), and no table is copied.
+    """
+    length = spec.max_position_embeddings
+    inv_freq, scale = inv_freq_and_scale(rope, spec.head_dim, length)
+    cos_t, sin_t = cos_sin_tables(inv_freq, scale, length)
+    positions = "position_ids"
+    threshold = long_context_threshold(rope)
+    if threshold is not None:
+        long_cos, long_sin = cos_sin_tables(inv_freq_and_scale(rope, spec.head_dim, length, long=True)[0], scale, length)
+        cos_t, sin_t = np.concatenate([cos_t, long_cos]), np.concatenate([sin_t, long_sin])
+        longest = g.op1("ReduceMax", [positions], keepdims=0)
+        is_long = g.op1("Cast", [g.op1("Greater", [longest, g.const(threshold - 1, dtype=np.int64)])], to=7)  # INT64
+        positions = g.op1("Add", [positions, g.op1("Mul", [is_long, g.const(length, dtype=np.int64)])])
+    return g.const(cos_t, f"{name}.cos_cache"), g.const(sin_t, f"{name}.sin_cache"), positions
 
 
 def _padding_bias(g: GraphBuilder, mask: str, batch: str) -> str:
@@ -159,6 +185,32 @@ def _norm(ctx: Context, x: str, skip: str | None, names: dict[str, str], role: s
     return total, normed
 
 
+def _pre_norm(ctx: Context, x: str, skip: str | None, names: dict[str, str], role: str, next_matmul: str,
+              bias: str | None) -> tuple[str, str]:
+    """(residual stream, the input of the next block): normed, or the stream itself where the spec has no pre-norms."""
+    if role in names:
+        return _norm(ctx, x, skip, names, role, next_matmul, bias)
+    total = x if skip is None else ctx.g.op1("Add", [x, skip])
+    total = ctx.g.op1("Add", [total, bias]) if bias else total
+    return total, total
+
+
+def _post_norm(ctx: Context, x: str, bias: str | None, names: dict[str, str], role: str) -> tuple[str, str | None]:
+    """The norm of a block's output before the residual add (post_norms); the pending bias is added first."""
+    if role not in names:
+        return x, bias
+    g, spec = ctx.g, ctx.spec
+    x = g.op1("Add", [x, bias]) if bias else x
+    op = "SimplifiedLayerNormalization" if spec.norm == "rms" else "LayerNormalization"
+    return g.op1(op, [x, g.weight(ctx.w.get(names[role]))], axis=-1, epsilon=float(spec.norm_eps)), None
+
+
+def _softcap(g: GraphBuilder, x: str, cap: float, out: str) -> None:
+    """out = cap * tanh(x / cap)."""
+    capped = g.op1("Tanh", [g.op1("Div", [x, g.const(np.float32(cap))])])
+    g.op("Mul", [capped, g.const(np.float32(cap))], [out])
+
+
 def _linear(ctx: Context, x: str, names: dict[str, str], role: str, fold_bias: bool = False) -> tuple[str, str | None]:
     """x @ W (+ b) for the weight ``role``. With ``fold_bias`` the bias is returned for the next fused op to add."""
     g, w = ctx.g, ctx.w
@@ -179,21 +231,43 @@ def _attention(ctx: Context, i: int, names: dict[str, str], h: str) -> tuple[str
     window = spec.sliding_window if spec.sliding_layers and spec.sliding_layers[i] else None
     attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=float(spec.attention_scales[i]),
                  local_window_size=int(window) if window else -1)
-    rope = spec.position == "rope"
+    if spec.attn_softcap:
+        attrs["softcap"] = float(spec.attn_softcap)
+    rotary = ctx.rotary.get(rope_table(spec, i) or "")
+    q, k, v = qkv, "", ""
+    if spec.qk_norm or (rotary and ctx.kind == "prefill"):
+        q, k, v = g.op("Split", [qkv, g.const([spec.q_size, spec.kv_size, spec.kv_size], dtype=np.int64)], 3, axis=-1)
+        q, k = _qk_norm(ctx, names, q, k)
     if ctx.kind == "decode":
-        inputs = [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", ctx.seqlens_k, ctx.total_len]
-        inputs += [ctx.cos, ctx.sin, ctx.position_ids] if rope else []
-        attrs["do_rotary"] = int(rope)
+        inputs = [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", ctx.seqlens_k, ctx.total_len]
+        inputs += list(rotary) if rotary else []
+        attrs["do_rotary"] = int(bool(rotary))
     else:
-        q, k, v = qkv, "", ""
-        if rope:
-            q, k, v = g.op("Split", [qkv, g.const([spec.q_size, spec.kv_size, spec.kv_size], dtype=np.int64)], 3, axis=-1)
-            q = g.op1("RotaryEmbedding", [q, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_heads)
-            k = g.op1("RotaryEmbedding", [k, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_kv_heads)
+        if rotary:
+            cos, sin, positions = rotary
+            q = g.op1("RotaryEmbedding", [q, positions, cos, sin], domain=MS_DOMAIN, num_heads=spec.num_heads)
+            k = g.op1("RotaryEmbedding", [k, positions, cos, sin], domain=MS_DOMAIN, num_heads=spec.num_kv_heads)
         inputs = [q, k, v, "", "", ctx.seqlens_k, ctx.total_len, "", "", "", ctx.attention_bias]
     out = g.fresh("attn")
     g.op("GroupQueryAttention", inputs, [out, f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN, **attrs)
     return _linear(ctx, out, names, "o", fold_bias=True)
+
+
+def _qk_norm(ctx: Context, names: dict[str, str], q: str, k: str) -> tuple[str, str]:
+    """RMSNorm of q and k before RoPE: over each head ("head") or the whole projection ("full")."""
+    g, spec = ctx.g, ctx.spec
+    if not spec.qk_norm:
+        return q, k
+    out = []
+    for x, role, heads in ((q, "q_norm", spec.num_heads), (k, "k_norm", spec.num_kv_heads)):
+        gamma, eps = g.weight(ctx.w.get(names[role])), float(spec.norm_eps)
+        if spec.qk_norm == "full":
+            out.append(g.op1("SimplifiedLayerNormalization", [x, gamma], axis=-1, epsilon=eps))
+            continue
+        per_head = g.op1("Reshape", [x, g.const([0, 0, heads, spec.head_dim], dtype=np.int64)])
+        normed = g.op1("SimplifiedLayerNormalization", [per_head, gamma], axis=-1, epsilon=eps)
+        out.append(g.op1("Reshape", [normed, g.const([0, 0, heads * spec.head_dim], dtype=np.int64)]))
+    return out[0], out[1]
 
 
 def _mlp(ctx: Context, names: dict[str, str], h: str) -> tuple[str, str | None]:
