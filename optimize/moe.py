@@ -97,14 +97,15 @@ def check_moe_supported(spec: ModelSpec, act: tuple[str, str, dict]) -> None:
                             "(ONNX Runtime's MoE op takes SwiGLU experts); use the exported artifact as is")
 
 
-def moe_layer(g: GraphBuilder, w, spec: ModelSpec, i: int, x: str, act: tuple[str, str, dict]) -> str:
-    """Layer ``i``'s MoE block, its weights found by their exported names in ``w`` (SourceWeights)."""
-    prefix = f"model.layers.{i}.mlp"
-    names = MoEWeights(g.weight(w.get(f"{prefix}.router")), f"{prefix}.gate_up", f"{prefix}.down")
+def moe_layer(g: GraphBuilder, w, spec: ModelSpec, layer: dict[str, str], x: str, act: tuple[str, str, dict]) -> str:
+    """A layer's MoE block; ``layer`` maps weight roles to the exported graphs' names (llmx.weight_names),
+    ``w`` (SourceWeights) holds them."""
+    names = MoEWeights(g.weight(w.get(layer["router"])), g.weight(w.get(layer["experts_gate_up"])),
+                       g.weight(w.get(layer["experts_down"])))
     if FORMULATION == "contrib":
         fc1, fc2 = contrib_layout(w.array(names.gate_up), w.array(names.down))
-        names.gate_up_t, names.down_t = g.const(fc1, f"{prefix}.gate_up_t"), g.const(fc2, f"{prefix}.down_t")
-    else:
-        g.weight(w.get(names.gate_up)), g.weight(w.get(names.down))
+        # The contrib op reads only these copies; the exported layout is dropped from the graph.
+        del g.initializers[names.gate_up], g.initializers[names.down]
+        names.gate_up_t, names.down_t = g.const(fc1, f"{names.gate_up}_t"), g.const(fc2, f"{names.down}_t")
     return moe_block(g, x, names, experts=spec.num_experts, top_k=spec.experts_per_token,
                      inner=spec.moe_intermediate_size, hidden=spec.hidden_size, renormalize=spec.norm_topk_prob, act=act)

@@ -63,18 +63,26 @@ FAM_B_EXTRA = {
 def make_config(family: str, vocab_size: int, **overrides):
     import transformers as T
 
-    fam_b = _fam_b_configs()
     common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "gpt2":
         cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
         return T.GPT2Config(**{**cfg, **overrides})
-    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, **fam_b}[family]
+    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, **_issue14_configs(T),
+           **_fam_b_configs()}[family]
     extra = {"mistral": dict(sliding_window=16, num_key_value_heads=1), "llama": dict(tie_word_embeddings=False),
              **FAM_B_EXTRA}.get(family, {})
     return cls(**{**TINY, **common, **extra, **overrides})
 
 
-def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def _issue14_configs(T) -> dict:
+    return {"qwen3": T.Qwen3Config, "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
+            "granite": T.GraniteConfig, "olmo2": T.Olmo2Config, "smollm3": T.SmolLM3Config, "phi3": T.Phi3Config}
+
+
+def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, random_vectors: bool = False,
+                    **overrides) -> Path:
+    """``random_vectors``: norm weights and biases get noise too, so no two are equal (the exporter
+    would merge equal initializers) and a norm applied to the wrong tensor shows in the logits."""
     import torch
     import transformers as T
 
@@ -87,10 +95,7 @@ def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, **ove
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.mul_(2.5)
-            elif family in FAM_B_EXTRA:
-                # Norm weights and biases off their init (ones, zeros): a loader that swaps or
-                # drops one is caught, and no two weights share content (the ONNX exporter
-                # merges identical initializers, and later stages find weights by name).
-                p.add_(torch.randn_like(p) * 0.1)
+            elif random_vectors:
+                p.add_(0.2 * torch.randn_like(p))
     model.eval().save_pretrained(directory)
     return directory
