@@ -36,3 +36,19 @@ def test_calibrate_w8_on_an_moe_model(store, tmp_path):
     seq = Engine.load(out, threads=1).generate(["def main():"], SamplingParams(max_new_tokens=8, temperature=0,
                                                                              ignore_eos=True))[0]
     assert len(seq.output_ids) == 8
+
+
+def test_optimize_refuses_moe_experts_the_fused_op_cannot_run(store, tmp_path, capsys):
+    """ONNX Runtime's MoE op runs SwiGLU experts only: other expert MLPs are refused in one line."""
+    import shutil
+
+    from test_cli import error_line, leftovers, run
+
+    src = tmp_path / "gelu-experts"
+    shutil.copytree(store.artifact("mixtral"), src)
+    manifest = json.loads((src / "llmx.json").read_text())
+    manifest["model"]["activation"] = "gelu"
+    (src / "llmx.json").write_text(json.dumps(manifest))
+    code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
+    assert code != 0 and "MoE experts with a gated gelu MLP have no fused kernel" in error_line(err)
+    assert leftovers(tmp_path) == ["gelu-experts"]
