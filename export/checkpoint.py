@@ -17,26 +17,28 @@ import torch
 
 from llmx.errors import CheckpointError
 from llmx.spec import ModelSpec, spec_from_hf_config
+from llmx.weight_names import all_weights, layer_weights, model_weights
 
-# (llmx name, HF names relative to a layer or the model, how to combine). "{i}" is the layer.
+# (llmx weight role (llmx.weight_names), HF names relative to a layer or the model, how to combine).
+# "{i}" is the layer.
 _LLAMA = {
     "prefixes": ("model.",),
     "model": [
-        ("embed.weight", ["embed_tokens.weight"], "copy"),
-        ("norm.weight", ["norm.weight"], "copy"),
+        ("embed", ["embed_tokens.weight"], "copy"),
+        ("norm", ["norm.weight"], "copy"),
     ],
-    "head": ("lm_head.weight", ["lm_head.weight"], "transpose"),
+    "head": ("lm_head", ["lm_head.weight"], "transpose"),
     "layer": [
-        ("attn_norm.weight", ["input_layernorm.weight"], "copy"),
-        ("attn.qkv.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], "concat_t"),
-        ("attn.qkv.bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], "concat"),
-        ("attn.o.weight", ["self_attn.o_proj.weight"], "transpose"),
-        ("attn.o.bias", ["self_attn.o_proj.bias"], "copy"),
-        ("mlp_norm.weight", ["post_attention_layernorm.weight"], "copy"),
-        ("mlp.up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "concat_t"),
-        ("mlp.up.bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"], "concat"),
-        ("mlp.down.weight", ["mlp.down_proj.weight"], "transpose"),
-        ("mlp.down.bias", ["mlp.down_proj.bias"], "copy"),
+        ("attn_norm", ["input_layernorm.weight"], "copy"),
+        ("qkv", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"], "concat_t"),
+        ("qkv_bias", ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"], "concat"),
+        ("o", ["self_attn.o_proj.weight"], "transpose"),
+        ("o_bias", ["self_attn.o_proj.bias"], "copy"),
+        ("mlp_norm", ["post_attention_layernorm.weight"], "copy"),
+        ("up", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "concat_t"),
+        ("up_bias", ["mlp.gate_proj.bias", "mlp.up_proj.bias"], "concat"),
+        ("down", ["mlp.down_proj.weight"], "transpose"),
+        ("down_bias", ["mlp.down_proj.bias"], "copy"),
     ],
     "layer_prefix": "layers.{i}.",
 }
@@ -45,25 +47,25 @@ _LLAMA = {
 _GPT2 = {
     "prefixes": ("transformer.",),
     "model": [
-        ("embed.weight", ["wte.weight"], "copy"),
-        ("pos_embed.weight", ["wpe.weight"], "copy"),
-        ("norm.weight", ["ln_f.weight"], "copy"),
-        ("norm.bias", ["ln_f.bias"], "copy"),
+        ("embed", ["wte.weight"], "copy"),
+        ("pos_embed", ["wpe.weight"], "copy"),
+        ("norm", ["ln_f.weight"], "copy"),
+        ("norm_bias", ["ln_f.bias"], "copy"),
     ],
-    "head": ("lm_head.weight", ["lm_head.weight"], "transpose"),
+    "head": ("lm_head", ["lm_head.weight"], "transpose"),
     "layer": [
-        ("attn_norm.weight", ["ln_1.weight"], "copy"),
-        ("attn_norm.bias", ["ln_1.bias"], "copy"),
-        ("attn.qkv.weight", ["attn.c_attn.weight"], "copy"),
-        ("attn.qkv.bias", ["attn.c_attn.bias"], "copy"),
-        ("attn.o.weight", ["attn.c_proj.weight"], "copy"),
-        ("attn.o.bias", ["attn.c_proj.bias"], "copy"),
-        ("mlp_norm.weight", ["ln_2.weight"], "copy"),
-        ("mlp_norm.bias", ["ln_2.bias"], "copy"),
-        ("mlp.up.weight", ["mlp.c_fc.weight"], "copy"),
-        ("mlp.up.bias", ["mlp.c_fc.bias"], "copy"),
-        ("mlp.down.weight", ["mlp.c_proj.weight"], "copy"),
-        ("mlp.down.bias", ["mlp.c_proj.bias"], "copy"),
+        ("attn_norm", ["ln_1.weight"], "copy"),
+        ("attn_norm_bias", ["ln_1.bias"], "copy"),
+        ("qkv", ["attn.c_attn.weight"], "copy"),
+        ("qkv_bias", ["attn.c_attn.bias"], "copy"),
+        ("o", ["attn.c_proj.weight"], "copy"),
+        ("o_bias", ["attn.c_proj.bias"], "copy"),
+        ("mlp_norm", ["ln_2.weight"], "copy"),
+        ("mlp_norm_bias", ["ln_2.bias"], "copy"),
+        ("up", ["mlp.c_fc.weight"], "copy"),
+        ("up_bias", ["mlp.c_fc.bias"], "copy"),
+        ("down", ["mlp.c_proj.weight"], "copy"),
+        ("down_bias", ["mlp.c_proj.bias"], "copy"),
     ],
     "layer_prefix": "h.{i}.",
 }
@@ -72,31 +74,143 @@ _GPT2 = {
 _BERT = {
     "prefixes": ("bert.", "model."),
     "model": [
-        ("embed.weight", ["embeddings.word_embeddings.weight"], "copy"),
-        ("pos_embed.weight", ["embeddings.position_embeddings.weight"], "copy"),
-        ("type_embed.weight", ["embeddings.token_type_embeddings.weight"], "copy"),
-        ("embed_norm.weight", ["embeddings.LayerNorm.weight"], "copy"),
-        ("embed_norm.bias", ["embeddings.LayerNorm.bias"], "copy"),
+        ("embed", ["embeddings.word_embeddings.weight"], "copy"),
+        ("pos_embed", ["embeddings.position_embeddings.weight"], "copy"),
+        ("type_embed", ["embeddings.token_type_embeddings.weight"], "copy"),
+        ("embed_norm", ["embeddings.LayerNorm.weight"], "copy"),
+        ("embed_norm_bias", ["embeddings.LayerNorm.bias"], "copy"),
     ],
     "head": None,
     "layer": [
-        ("attn.qkv.weight", ["attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight"], "concat_t"),
-        ("attn.qkv.bias", ["attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias"], "concat"),
-        ("attn.o.weight", ["attention.output.dense.weight"], "transpose"),
-        ("attn.o.bias", ["attention.output.dense.bias"], "copy"),
-        ("attn_norm.weight", ["attention.output.LayerNorm.weight"], "copy"),
-        ("attn_norm.bias", ["attention.output.LayerNorm.bias"], "copy"),
-        ("mlp.up.weight", ["intermediate.dense.weight"], "transpose"),
-        ("mlp.up.bias", ["intermediate.dense.bias"], "copy"),
-        ("mlp.down.weight", ["output.dense.weight"], "transpose"),
-        ("mlp.down.bias", ["output.dense.bias"], "copy"),
-        ("mlp_norm.weight", ["output.LayerNorm.weight"], "copy"),
-        ("mlp_norm.bias", ["output.LayerNorm.bias"], "copy"),
+        ("qkv", ["attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight"], "concat_t"),
+        ("qkv_bias", ["attention.self.query.bias", "attention.self.key.bias", "attention.self.value.bias"], "concat"),
+        ("o", ["attention.output.dense.weight"], "transpose"),
+        ("o_bias", ["attention.output.dense.bias"], "copy"),
+        ("attn_norm", ["attention.output.LayerNorm.weight"], "copy"),
+        ("attn_norm_bias", ["attention.output.LayerNorm.bias"], "copy"),
+        ("up", ["intermediate.dense.weight"], "transpose"),
+        ("up_bias", ["intermediate.dense.bias"], "copy"),
+        ("down", ["output.dense.weight"], "transpose"),
+        ("down_bias", ["output.dense.bias"], "copy"),
+        ("mlp_norm", ["output.LayerNorm.weight"], "copy"),
+        ("mlp_norm_bias", ["output.LayerNorm.bias"], "copy"),
     ],
     "layer_prefix": "encoder.layer.{i}.",
 }
 
-WEIGHT_RULES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2, "bert": _BERT}
+def _llama_with(*rows: tuple[str, list[str], str]) -> dict:
+    """Llama's layout with these layer rows added or (same role) replaced."""
+    roles = {row[0] for row in rows}
+    return {**_LLAMA, "layer": [r for r in _LLAMA["layer"] if r[0] not in roles] + list(rows)}
+
+
+_QK_NORM = [("q_norm", ["self_attn.q_norm.weight"], "copy"), ("k_norm", ["self_attn.k_norm.weight"], "copy")]
+# Gemma 2/3 and OLMo 2 name the norm after attention post_attention_layernorm (Llama's name for the pre-MLP norm).
+_POST_NORMS = [("post_attn_norm", ["post_attention_layernorm.weight"], "copy"),
+               ("post_mlp_norm", ["post_feedforward_layernorm.weight"], "copy")]
+_GEMMA2 = _llama_with(("mlp_norm", ["pre_feedforward_layernorm.weight"], "copy"), *_POST_NORMS)
+# Phi-3 stores q/k/v and gate/up fused already, in llmx's order.
+_PHI3 = _llama_with(("qkv", ["self_attn.qkv_proj.weight"], "transpose"), ("up", ["mlp.gate_up_proj.weight"], "transpose"))
+
+WEIGHT_RULES_A = {
+    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "gpt2": _GPT2, "bert": _BERT,
+    "qwen3": _llama_with(*_QK_NORM),
+    "gemma": _LLAMA,
+    "gemma2": _GEMMA2,
+    "gemma3_text": {**_GEMMA2, "layer": _GEMMA2["layer"] + _QK_NORM},
+    "granite": _LLAMA,
+    "olmo2": _llama_with(*_QK_NORM, *_POST_NORMS),
+    "smollm3": _LLAMA,
+    "phi3": _PHI3,
+}
+
+# -- phi, gpt_neox, stablelm, starcoder2, mixtral, qwen3_moe (issue 14) ---------------------
+# Extra ways to combine: "{e}" in a name repeats it per expert and stacks the results (experts
+# first); "{h}" per q head, "{hk}" per kv head; "heads_q"/"heads_k" repeat one [D] norm weight for
+# every head; "neox_qkv(_t)" reorders GPT-NeoX's per-head [q_h k_h v_h] rows into [q | k | v].
+_LN = lambda role, hf: [(role, [f"{hf}.weight"], "copy"), (f"{role}_bias", [f"{hf}.bias"], "copy")]  # noqa: E731
+_QKV = ["self_attn.q_proj.{}", "self_attn.k_proj.{}", "self_attn.v_proj.{}"]
+_PHI = {
+    "prefixes": ("model.",),
+    "model": [("embed", ["embed_tokens.weight"], "copy"), *_LN("norm", "final_layernorm"),
+              ("lm_head_bias", ["lm_head.bias"], "copy")],
+    "head": ("lm_head", ["lm_head.weight"], "transpose"),
+    "layer": [
+        *_LN("attn_norm", "input_layernorm"),
+        ("qkv", [n.format("weight") for n in _QKV], "concat_t"),
+        ("qkv_bias", [n.format("bias") for n in _QKV], "concat"),
+        ("o", ["self_attn.dense.weight"], "transpose"),
+        ("o_bias", ["self_attn.dense.bias"], "copy"),
+        ("q_norm", ["self_attn.q_layernorm.weight"], "heads_q"),
+        ("q_norm_bias", ["self_attn.q_layernorm.bias"], "heads_q"),
+        ("k_norm", ["self_attn.k_layernorm.weight"], "heads_k"),
+        ("k_norm_bias", ["self_attn.k_layernorm.bias"], "heads_k"),
+        ("up", ["mlp.fc1.weight"], "transpose"),
+        ("up_bias", ["mlp.fc1.bias"], "copy"),
+        ("down", ["mlp.fc2.weight"], "transpose"),
+        ("down_bias", ["mlp.fc2.bias"], "copy"),
+    ],
+    "layer_prefix": "layers.{i}.",
+}
+_GPT_NEOX = {
+    "prefixes": ("gpt_neox.",),
+    "model": [("embed", ["embed_in.weight"], "copy"), *_LN("norm", "final_layer_norm")],
+    "head": ("lm_head", ["embed_out.weight"], "transpose"),
+    "layer": [
+        *_LN("attn_norm", "input_layernorm"),
+        *_LN("mlp_norm", "post_attention_layernorm"),
+        ("qkv", ["attention.query_key_value.weight"], "neox_qkv_t"),
+        ("qkv_bias", ["attention.query_key_value.bias"], "neox_qkv"),
+        ("o", ["attention.dense.weight"], "transpose"),
+        ("o_bias", ["attention.dense.bias"], "copy"),
+        ("up", ["mlp.dense_h_to_4h.weight"], "transpose"),
+        ("up_bias", ["mlp.dense_h_to_4h.bias"], "copy"),
+        ("down", ["mlp.dense_4h_to_h.weight"], "transpose"),
+        ("down_bias", ["mlp.dense_4h_to_h.bias"], "copy"),
+    ],
+    "layer_prefix": "layers.{i}.",
+}
+_LAYER_NORMED = {  # llama's layout with LayerNorm biases and a plain c_fc/c_proj MLP (starcoder2)
+    **_LLAMA,
+    "model": [*_LLAMA["model"], ("norm_bias", ["norm.bias"], "copy")],
+    "layer": [
+        *_LLAMA["layer"][:6],
+        *_LN("attn_norm", "input_layernorm")[1:],
+        *_LN("mlp_norm", "post_attention_layernorm")[1:],
+        ("up", ["mlp.c_fc.weight"], "transpose"),
+        ("up_bias", ["mlp.c_fc.bias"], "copy"),
+        ("down", ["mlp.c_proj.weight"], "transpose"),
+        ("down_bias", ["mlp.c_proj.bias"], "copy"),
+    ],
+}
+_STABLELM = {
+    **_LLAMA,
+    "model": _LAYER_NORMED["model"],
+    "layer": [
+        *_LLAMA["layer"], *_LN("attn_norm", "input_layernorm")[1:], *_LN("mlp_norm", "post_attention_layernorm")[1:],
+        ("q_norm", ["self_attn.q_layernorm.norms.{h}.weight"], "copy"),
+        ("k_norm", ["self_attn.k_layernorm.norms.{hk}.weight"], "copy"),
+    ],
+}
+_MOE = [
+    ("router", ["mlp.gate.weight"], "transpose"),
+    ("experts_gate_up", ["mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"], "concat_t"),
+    ("experts_down", ["mlp.experts.{e}.down_proj.weight"], "transpose"),
+]
+_QWEN3_MOE = {
+    **_LLAMA,
+    "layer": [*_LLAMA["layer"], *_MOE, ("q_norm", ["self_attn.q_norm.weight"], "copy"),
+              ("k_norm", ["self_attn.k_norm.weight"], "copy")],
+}
+_MIXTRAL = {
+    **_LLAMA,
+    "layer": [*_LLAMA["layer"], *[(ours, [n.replace("mlp.", "block_sparse_moe.").replace("gate_proj", "w1")
+                                           .replace("up_proj", "w3").replace("down_proj", "w2") for n in names], how)
+                                  for ours, names, how in _MOE]],
+}
+
+WEIGHT_RULES = {**WEIGHT_RULES_A, "phi": _PHI, "gpt_neox": _GPT_NEOX, "stablelm": _STABLELM,
+                "starcoder2": _LAYER_NORMED, "mixtral": _MIXTRAL, "qwen3_moe": _QWEN3_MOE}
 
 
 @dataclass
@@ -156,48 +270,94 @@ def read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensor names -> llmx module names, as float32. Raises on missing tensors."""
+    """HF tensor names -> llmx module names (llmx.weight_names), as float32. Raises on missing tensors.
+
+    The declaration decides which weights the model has: a rule whose weight the spec lacks is
+    skipped, a declared weight no rule produces is an error (a half-added family).
+    """
     rules = WEIGHT_RULES[spec.family]
     hf = {_strip(name, rules["prefixes"]): t for name, t in hf.items()}
 
-    def take(names: list[str], how: str, required: bool) -> torch.Tensor | None:
-        present = [n for n in names if n in hf]
-        if not present:
-            if required:
-                raise CheckpointError(f"weights are missing tensor {names[0]!r}")
-            return None
-        if len(present) != len(names):
-            absent = sorted(set(names) - set(present))
+    def take(names: list[str], how: str) -> torch.Tensor:
+        if repeat := _repeat_key(names, spec):
+            key, count = repeat
+            return _stack([take([n.replace(key, str(j)) for n in names], how) for j in range(count)], key)
+        absent = [n for n in names if n not in hf]
+        if absent:
             raise CheckpointError(f"weights are missing tensor {absent[0]!r}")
         parts = [hf[n].to(torch.float32) for n in names]
+        if how in _RESHAPES:
+            return _RESHAPES[how](parts[0], spec).contiguous()
         if how in ("transpose", "concat_t"):
             parts = [p.t() for p in parts]
         return torch.cat(parts, dim=-1).contiguous() if len(parts) > 1 or parts[0].dim() == 1 else parts[0].contiguous()
 
-    def required(ours: str) -> bool:
-        if ours.endswith(".bias"):
-            kind = "qkv" if ".qkv." in ours else "o" if ".o." in ours else "mlp" if ".mlp." in ours else "norm"
-            return {"qkv": spec.qkv_bias, "o": spec.o_bias, "mlp": spec.mlp_bias}.get(kind, True)
-        return True
-
     out: dict[str, torch.Tensor] = {}
-    for ours, names, how in rules["model"]:
-        if ours == "pos_embed.weight" and spec.position != "learned":
-            continue
-        if (t := take(names, how, required(ours))) is not None:
-            out[ours] = t
-    if spec.kind == "decoder" and spec.tie_word_embeddings:
-        out["lm_head.weight"] = out["embed.weight"].t().contiguous()
-    elif spec.kind == "decoder":
-        ours, names, how = rules["head"]
-        out[ours] = take(names, how, True)
+    declared = model_weights(spec)
+    head = [rules["head"]] if rules["head"] and not spec.tie_word_embeddings else []
+    for role, names, how in [*rules["model"], *head]:
+        if role in declared:
+            out[declared[role]] = take(names, how)
+    if "lm_head" in declared and spec.tie_word_embeddings:
+        out[declared["lm_head"]] = out[declared["embed"]].t().contiguous()
     for i in range(spec.num_layers):
-        layer = rules["layer_prefix"].format(i=i)
-        for ours, names, how in rules["layer"]:
-            full = f"layers.{i}.{ours}"
-            if (t := take([layer + n for n in names], how, required(full))) is not None:
-                out[full] = t
+        layer, declared_here = rules["layer_prefix"].format(i=i), layer_weights(spec, i)
+        for role, names, how in rules["layer"]:
+            if role in declared_here:
+                out[declared_here[role]] = take([layer + n for n in names], how)
+    unmapped = [name for name in all_weights(spec) if name not in out]
+    if unmapped:
+        raise CheckpointError(f"internal error: no {spec.family} weight rule gives {unmapped[0]}")
+    _fold_multipliers(spec, out)
     return out
+
+
+def _fold_multipliers(spec: ModelSpec, out: dict[str, torch.Tensor]) -> None:
+    """Apply the spec's constant factors to the weights they multiply, so no graph needs a node for them.
+
+    Each is the same single fp32 operation the reference does at run time (Gemma's ``1 + w``
+    norms, scaled embeddings) or moves a scalar across a matmul (Granite's multipliers), which
+    changes results only by float rounding. A tied head was copied from the unscaled table.
+    """
+    scopes = [model_weights(spec)] + [layer_weights(spec, i) for i in range(spec.num_layers)]
+    with torch.no_grad():
+        for scope in scopes:
+            for role, name in scope.items():
+                if spec.norm_offset and spec.norm == "rms" and role.endswith("norm"):
+                    out[name] += spec.norm_offset
+                if spec.residual_scale != 1.0 and role in ("o", "o_bias", "down", "down_bias"):
+                    out[name] *= spec.residual_scale
+        if spec.embed_scale != 1.0:
+            out[scopes[0]["embed"]] *= torch.tensor(spec.embed_scale, dtype=torch.float32)
+        if spec.logits_scale != 1.0:
+            out[scopes[0]["lm_head"]] /= spec.logits_scale
+
+
+def _repeat_key(names: list[str], spec: ModelSpec) -> tuple[str, int] | None:
+    for key, count in (("{e}", spec.num_experts), ("{h}", spec.num_heads), ("{hk}", spec.num_kv_heads)):
+        if key in names[0]:
+            return key, count
+    return None
+
+
+def _stack(parts: list[torch.Tensor], key: str) -> torch.Tensor:
+    # Per-head norm weights become [H,1,D] (llmx's HeadNorm broadcasts them over positions).
+    stacked = torch.stack(parts)
+    return stacked.unsqueeze(1) if key != "{e}" else stacked
+
+
+def _neox_qkv(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    # [H*3*D, ...] rows in per-head [q_h k_h v_h] order -> [q | k | v].
+    heads, dim = spec.num_heads, spec.head_dim
+    return t.reshape(heads, 3, dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+_RESHAPES = {
+    "neox_qkv": _neox_qkv,
+    "neox_qkv_t": lambda t, spec: _neox_qkv(t, spec).t(),
+    "heads_q": lambda t, spec: t.expand(spec.num_heads, 1, -1).clone(),
+    "heads_k": lambda t, spec: t.expand(spec.num_kv_heads, 1, -1).clone(),
+}
 
 
 def _strip(name: str, prefixes: tuple[str, ...]) -> str:

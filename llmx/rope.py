@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
+if TYPE_CHECKING:
+    from llmx.spec import ModelSpec
 
-def inv_freq_and_scale(rope: dict, head_dim: int, max_positions: int) -> tuple[np.ndarray, float]:
-    """Inverse frequencies, shape [head_dim // 2], and the factor that multiplies cos/sin."""
+
+def inv_freq_and_scale(rope: dict, head_dim: int, max_positions: int, long: bool = False) -> tuple[np.ndarray, float]:
+    """Inverse frequencies, shape [head_dim // 2], and the factor that multiplies cos/sin.
+
+    ``long``: LongRoPE's set for sequences past ``long_context_threshold`` (other types have one set).
+    """
     base = float(rope.get("rope_theta", 10000.0))
     dim = head_dim
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -27,6 +35,8 @@ def inv_freq_and_scale(rope: dict, head_dim: int, max_positions: int) -> tuple[n
         return _llama3(inv_freq, rope), 1.0
     if kind == "yarn":
         return _yarn(rope, base, dim, max_positions)
+    if kind == "longrope":
+        return _longrope(rope, base, dim, max_positions, long)
     raise ValueError(f"rope type {kind!r} is not supported")
 
 
@@ -71,6 +81,31 @@ def _yarn(rope: dict, base: float, dim: int, max_positions: int) -> tuple[np.nda
     inv_extra = 1.0 / pos_freqs
     inv_inter = 1.0 / (np.float32(factor) * pos_freqs)
     inv_freq = inv_inter * (1 - extrapolation_weight) + inv_extra * extrapolation_weight
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_table(spec: "ModelSpec", layer: int) -> str | None:
+    """Which rotary table layer ``layer`` uses: "main", "local" (sliding layers with their own RoPE) or none."""
+    if spec.position != "rope" or (spec.rope_layers and not spec.rope_layers[layer]):
+        return None
+    sliding = bool(spec.sliding_layers and spec.sliding_layers[layer])
+    return "local" if spec.rope_local and sliding else "main"
+
+
+def long_context_threshold(rope: dict) -> int | None:
+    """LongRoPE: a call whose largest position + 1 exceeds this uses the long factors, as transformers does."""
+    return int(rope["original_max_position_embeddings"]) if rope.get("rope_type") == "longrope" else None
+
+
+def _longrope(rope: dict, base: float, dim: int, max_positions: int, long: bool) -> tuple[np.ndarray, float]:
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = np.asarray(rope["long_factor" if long else "short_factor"], dtype=np.float32)
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = np.float32(1.0) / (ext * (np.float32(base) ** exponents))
     return inv_freq.astype(np.float32), float(attention_factor)
 
 

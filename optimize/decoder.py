@@ -26,10 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmx.errors import ArtifactError
-from llmx.rope import cos_sin_tables, inv_freq_and_scale
+from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold, rope_table
 from llmx.spec import ModelSpec
 from llmx.manifest import GraphSpec
+from llmx.weight_names import graph_name, layer_weights, model_weights
 from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
+from llmx.optimize.moe import check_moe_supported, moe_layer
 from llmx.optimize.weights import SourceWeights
 
 INT32 = 6  # onnx.TensorProto.INT32
@@ -55,9 +57,7 @@ class Context:
     kind: str  # "prefill" | "decode"
     seqlens_k: str
     total_len: str
-    position_ids: str
-    cos: str | None
-    sin: str | None
+    rotary: dict[str, tuple[str, str, str]]  # rope table -> (cos cache, sin cache, positions to read it at)
     attention_bias: str | None  # prefill only: padding mask as an additive bias
 
 
@@ -70,6 +70,11 @@ def check_supported(spec: ModelSpec) -> None:
         )
     if spec.activation not in ACTIVATIONS:
         raise ArtifactError(f"activation {spec.activation!r} has no fused kernel here")
+    check_moe_supported(spec, ACTIVATIONS[spec.activation])
+    if spec.norm != "rms" and (spec.qk_norm in ("head", "full") or spec.post_norms):
+        # The fused blocks for q/k norm and post-norms are RMSNorm (SimplifiedLayerNormalization) only.
+        feature = "q/k norm" if spec.qk_norm else "post-norms"
+        raise ArtifactError(f"{feature} with LayerNorm has no fused block here; use the exported artifact as is")
 
 
 def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all_logits: bool = False):
@@ -80,34 +85,49 @@ def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all
     for t in io.outputs:
         g.output(t.name, t.dtype, t.shape)
     ctx = _context(g, spec, w, kind)
-    x = g.op1("Gather", [g.weight(w.get("model.embed.weight")), "input_ids"])
+    names = _names(model_weights(spec))
+    x = g.op1("Gather", [g.weight(w.get(names["embed"])), "input_ids"])
     if spec.position == "learned":
-        skip = g.op1("Gather", [g.weight(w.get("model.pos_embed.weight")), "position_ids"])
+        skip = g.op1("Gather", [g.weight(w.get(names["pos_embed"])), "position_ids"])
     else:
         skip = None
     residual, pending_bias = None, None
     for i in range(spec.num_layers):
-        residual, h = _norm(ctx, x, skip if i == 0 else residual, f"model.layers.{i}.attn_norm",
-                            f"model.layers.{i}.attn.qkv.weight", pending_bias)
-        x, pending_bias = _attention(ctx, i, h)
-        residual, h = _norm(ctx, x, residual, f"model.layers.{i}.mlp_norm", f"model.layers.{i}.mlp.up.weight", pending_bias)
-        x, pending_bias = _mlp(ctx, i, h)
-    _, h = _norm(ctx, x, residual, "model.norm", "model.lm_head.weight", pending_bias)
+        layer = _names(layer_weights(spec, i))
+        residual, h = _pre_norm(ctx, x, skip if i == 0 else residual, layer, "attn_norm", layer["qkv"], pending_bias)
+        x, pending_bias = _post_norm(ctx, *_attention(ctx, i, layer, h), layer, "post_attn_norm")
+        if spec.parallel_residual:
+            x, pending_bias = _parallel_mlp(ctx, layer, residual, h, x, pending_bias)
+            continue
+        residual, h = _pre_norm(ctx, x, residual, layer, "mlp_norm", _mlp_input(layer), pending_bias)
+        x, pending_bias = _post_norm(ctx, *_mlp(ctx, layer, h), layer, "post_mlp_norm")
+    _, h = _norm(ctx, x, residual, names, "norm", names["lm_head"], pending_bias)
     if kind == "prefill" and not all_logits:
         h = _last_position(g, h, spec.hidden_size)
-    g.op("MatMul", [h, g.weight(w.get("model.lm_head.weight"))], ["logits"])
+    logits = g.fresh("raw_logits") if spec.final_softcap else "logits"
+    head = g.fresh("head") if spec.lm_head_bias else logits
+    g.op("MatMul", [h, g.weight(w.get(names["lm_head"]))], [head])
+    if spec.lm_head_bias:
+        g.op("Add", [head, g.weight(w.get(names["lm_head_bias"]))], [logits])
+    if spec.final_softcap:
+        _softcap(g, logits, spec.final_softcap, "logits")
     return g.model()
+
+
+def _names(declared: dict[str, str]) -> dict[str, str]:
+    """role -> the exported graphs' initializer name (llmx.weight_names)."""
+    return {role: graph_name(name) for role, name in declared.items()}
 
 
 def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> Context:
     mask = "attention_mask"
     total64 = g.op1("Squeeze", [g.op1("Shape", [mask], start=1, end=2), g.const([0], dtype=np.int64)])
     total = g.op1("Cast", [total64], to=INT32)
-    cos = sin = bias = None
+    bias = None
+    rotary = {}
     if spec.position == "rope":
-        inv_freq, scale = inv_freq_and_scale(spec.rope, spec.head_dim, spec.max_position_embeddings)
-        cos_t, sin_t = cos_sin_tables(inv_freq, scale, spec.max_position_embeddings)
-        cos, sin = g.const(cos_t, "rope.cos_cache"), g.const(sin_t, "rope.sin_cache")
+        tables = {"main": spec.rope, **({"local": spec.rope_local} if spec.rope_local else {})}
+        rotary = {name: _rotary(g, spec, rope, "rope" if name == "main" else f"rope_{name}") for name, rope in tables.items()}
     if kind == "decode":
         # Rows hold sum(mask) tokens after this step; the new ones go to the last slots.
         count = g.op1("ReduceSum", [mask, g.const([1], dtype=np.int64)], keepdims=0)
@@ -118,7 +138,28 @@ def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> C
         last = g.op1("Sub", [total64, g.const(1, dtype=np.int64)])
         seqlens = g.op1("Cast", [g.op1("Expand", [last, batch])], to=INT32)
         bias = _padding_bias(g, mask, batch)
-    return Context(g, spec, w, kind, seqlens, total, "position_ids", cos, sin, bias)
+    return Context(g, spec, w, kind, seqlens, total, rotary, bias)
+
+
+def _rotary(g: GraphBuilder, spec: ModelSpec, rope: dict, name: str) -> tuple[str, str, str]:
+    """cos/sin caches of one RoPE config and the positions to read them at.
+
+    LongRoPE: the long set is stored after the short one, and a call whose largest position
+    reaches past the threshold reads it by offsetting every position by the table length;
+    transformers switches the same way (per call, every position), and no table is copied.
+    """
+    length = spec.max_position_embeddings
+    inv_freq, scale = inv_freq_and_scale(rope, spec.rotary_dim or spec.head_dim, length)
+    cos_t, sin_t = cos_sin_tables(inv_freq, scale, length)
+    positions = "position_ids"
+    threshold = long_context_threshold(rope)
+    if threshold is not None:
+        long_cos, long_sin = cos_sin_tables(inv_freq_and_scale(rope, spec.rotary_dim or spec.head_dim, length, long=True)[0], scale, length)
+        cos_t, sin_t = np.concatenate([cos_t, long_cos]), np.concatenate([sin_t, long_sin])
+        longest = g.op1("ReduceMax", [positions], keepdims=0)
+        is_long = g.op1("Cast", [g.op1("Greater", [longest, g.const(threshold - 1, dtype=np.int64)])], to=7)  # INT64
+        positions = g.op1("Add", [positions, g.op1("Mul", [is_long, g.const(length, dtype=np.int64)])])
+    return g.const(cos_t, f"{name}.cos_cache"), g.const(sin_t, f"{name}.sin_cache"), positions
 
 
 def _padding_bias(g: GraphBuilder, mask: str, batch: str) -> str:
@@ -130,11 +171,12 @@ def _padding_bias(g: GraphBuilder, mask: str, batch: str) -> str:
     return g.op1("Expand", [per_key, shape])
 
 
-def _norm(ctx: Context, x: str, skip: str | None, prefix: str, next_matmul: str, bias: str | None) -> tuple[str, str]:
-    """(residual stream x + skip + bias, its norm). The first norm of the model has no skip."""
+def _norm(ctx: Context, x: str, skip: str | None, names: dict[str, str], role: str, next_matmul: str,
+          bias: str | None) -> tuple[str, str]:
+    """(residual stream x + skip + bias, its norm ``role``). The first norm of the model has no skip."""
     g, spec, w = ctx.g, ctx.spec, ctx.w
-    gamma = g.weight(w.norm_before(next_matmul, f"{prefix}.weight", 0))
-    beta = [g.weight(w.norm_before(next_matmul, f"{prefix}.bias", 1))] if spec.norm == "layer" else []
+    gamma = g.weight(w.norm_before(next_matmul, names[role], 0))
+    beta = [g.weight(w.norm_before(next_matmul, names[f"{role}_bias"], 1))] if spec.norm == "layer" else []
     eps = float(spec.norm_eps)
     if skip is None:
         op = "SimplifiedLayerNormalization" if spec.norm == "rms" else "LayerNormalization"
@@ -151,58 +193,154 @@ def _norm(ctx: Context, x: str, skip: str | None, prefix: str, next_matmul: str,
     return total, normed
 
 
-def _linear(ctx: Context, x: str, prefix: str, has_bias: bool, fold_bias: bool = False) -> tuple[str, str | None]:
-    """x @ W (+ b). With ``fold_bias`` the bias is returned for the next fused op to add."""
+def _pre_norm(ctx: Context, x: str, skip: str | None, names: dict[str, str], role: str, next_matmul: str,
+              bias: str | None) -> tuple[str, str]:
+    """(residual stream, the input of the next block): normed, or the stream itself where the spec has no pre-norms."""
+    if role in names:
+        return _norm(ctx, x, skip, names, role, next_matmul, bias)
+    total = x if skip is None else ctx.g.op1("Add", [x, skip])
+    total = ctx.g.op1("Add", [total, bias]) if bias else total
+    return total, total
+
+
+def _post_norm(ctx: Context, x: str, bias: str | None, names: dict[str, str], role: str) -> tuple[str, str | None]:
+    """The norm of a block's output before the residual add (post_norms); the pending bias is added first."""
+    if role not in names:
+        return x, bias
+    g, spec = ctx.g, ctx.spec
+    x = g.op1("Add", [x, bias]) if bias else x
+    op = "SimplifiedLayerNormalization" if spec.norm == "rms" else "LayerNormalization"
+    return g.op1(op, [x, g.weight(ctx.w.get(names[role]))], axis=-1, epsilon=float(spec.norm_eps)), None
+
+
+def _softcap(g: GraphBuilder, x: str, cap: float, out: str) -> None:
+    """out = cap * tanh(x / cap)."""
+    capped = g.op1("Tanh", [g.op1("Div", [x, g.const(np.float32(cap))])])
+    g.op("Mul", [capped, g.const(np.float32(cap))], [out])
+
+
+def _linear(ctx: Context, x: str, names: dict[str, str], role: str, fold_bias: bool = False) -> tuple[str, str | None]:
+    """x @ W (+ b) for the weight ``role``. With ``fold_bias`` the bias is returned for the next fused op to add."""
     g, w = ctx.g, ctx.w
-    y = g.op1("MatMul", [x, g.weight(w.get(f"{prefix}.weight"))])
-    if not has_bias:
+    y = g.op1("MatMul", [x, g.weight(w.get(names[role]))])
+    if f"{role}_bias" not in names:
         return y, None
-    bias = w.bias_after(f"{prefix}.weight", f"{prefix}.bias")
+    bias = w.bias_after(names[role], names[f"{role}_bias"])
     if bias is None:
-        raise ArtifactError(f"cannot find {prefix}.bias in the exported graph")
+        raise ArtifactError(f"cannot find {names[f'{role}_bias']} in the exported graph")
     if fold_bias:
         return y, g.weight(bias)
     return g.op1("Add", [y, g.weight(bias)]), None
 
 
-def _attention(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
+def _attention(ctx: Context, i: int, names: dict[str, str], h: str) -> tuple[str, str | None]:
     g, spec = ctx.g, ctx.spec
-    qkv, _ = _linear(ctx, h, f"model.layers.{i}.attn.qkv", spec.qkv_bias)
+    qkv, _ = _linear(ctx, h, names, "qkv")
     window = spec.sliding_window if spec.sliding_layers and spec.sliding_layers[i] else None
     attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, scale=float(spec.attention_scales[i]),
                  local_window_size=int(window) if window else -1)
-    rope = spec.position == "rope"
+    if spec.attn_softcap:
+        attrs["softcap"] = float(spec.attn_softcap)
+    rotary = ctx.rotary.get(rope_table(spec, i) or "")
+    q, k, v = qkv, "", ""
+    # Prefill rotates with RotaryEmbedding; decode inside GroupQueryAttention, except partial rotary
+    # (GQA's rotary covers whole heads, or a cos table width that is a multiple of 8).
+    outside = bool(rotary) and (ctx.kind == "prefill" or spec.rotary_dim is not None)
+    if spec.qk_norm or outside:
+        q, k, v = g.op("Split", [qkv, g.const([spec.q_size, spec.kv_size, spec.kv_size], dtype=np.int64)], 3, axis=-1)
+        q, k = _qk_norm(ctx, names, q, k)
+    if outside:
+        q, k = _rotate(ctx, rotary, q, k)
     if ctx.kind == "decode":
-        inputs = [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", ctx.seqlens_k, ctx.total_len]
-        inputs += [ctx.cos, ctx.sin, ctx.position_ids] if rope else []
-        attrs["do_rotary"] = int(rope)
+        inputs = [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", ctx.seqlens_k, ctx.total_len]
+        inputs += list(rotary) if rotary and not outside else []
+        attrs["do_rotary"] = int(bool(rotary) and not outside)
     else:
-        q, k, v = qkv, "", ""
-        if rope:
-            q, k, v = g.op("Split", [qkv, g.const([spec.q_size, spec.kv_size, spec.kv_size], dtype=np.int64)], 3, axis=-1)
-            q = g.op1("RotaryEmbedding", [q, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_heads)
-            k = g.op1("RotaryEmbedding", [k, ctx.position_ids, ctx.cos, ctx.sin], domain=MS_DOMAIN, num_heads=spec.num_kv_heads)
         inputs = [q, k, v, "", "", ctx.seqlens_k, ctx.total_len, "", "", "", ctx.attention_bias]
     out = g.fresh("attn")
     g.op("GroupQueryAttention", inputs, [out, f"present.{i}.key", f"present.{i}.value"], domain=MS_DOMAIN, **attrs)
-    return _linear(ctx, out, f"model.layers.{i}.attn.o", spec.o_bias, fold_bias=True)
+    return _linear(ctx, out, names, "o", fold_bias=True)
 
 
-def _mlp(ctx: Context, i: int, h: str) -> tuple[str, str | None]:
+def _qk_norm(ctx: Context, names: dict[str, str], q: str, k: str) -> tuple[str, str]:
+    """RMSNorm of q and k before RoPE: over each head ("head") or the whole projection ("full")."""
     g, spec = ctx.g, ctx.spec
+    if not spec.qk_norm:
+        return q, k
+    if spec.qk_norm == "layer_head":
+        return _layer_head_norm(ctx, names, q, spec.num_heads), _layer_head_norm(ctx, names, k, spec.num_kv_heads, "k")
+    out = []
+    for x, role, heads in ((q, "q_norm", spec.num_heads), (k, "k_norm", spec.num_kv_heads)):
+        gamma, eps = g.weight(ctx.w.get(names[role])), float(spec.norm_eps)
+        if spec.qk_norm == "full":
+            out.append(g.op1("SimplifiedLayerNormalization", [x, gamma], axis=-1, epsilon=eps))
+            continue
+        per_head = g.op1("Reshape", [x, g.const([0, 0, heads, spec.head_dim], dtype=np.int64)])
+        normed = g.op1("SimplifiedLayerNormalization", [per_head, gamma], axis=-1, epsilon=eps)
+        out.append(g.op1("Reshape", [normed, g.const([0, 0, heads * spec.head_dim], dtype=np.int64)]))
+    return out[0], out[1]
+
+
+def _mlp(ctx: Context, names: dict[str, str], h: str) -> tuple[str, str | None]:
+    g, spec = ctx.g, ctx.spec
+    if "router" in names:
+        return moe_layer(g, ctx.w, spec, names, h, ACTIVATIONS[spec.activation]), None
     op, domain, attrs = ACTIVATIONS[spec.activation]
-    prefix = f"model.layers.{i}.mlp"
     if spec.mlp == "gated":
-        up, _ = _linear(ctx, h, f"{prefix}.up", spec.mlp_bias)
+        up, _ = _linear(ctx, h, names, "up")
         gate, up = g.op("Split", [up, g.const([spec.intermediate_size] * 2, dtype=np.int64)], 2, axis=-1)
         act = g.op1("Mul", [g.op1(op, [gate], domain=domain, **attrs), up])
     elif op == "FastGelu" and spec.mlp_bias:  # FastGelu adds the up projection's bias itself
-        up, bias = _linear(ctx, h, f"{prefix}.up", True, fold_bias=True)
+        up, bias = _linear(ctx, h, names, "up", fold_bias=True)
         act = g.op1(op, [up, bias], domain=domain, **attrs)
     else:
-        up, _ = _linear(ctx, h, f"{prefix}.up", spec.mlp_bias)
+        up, _ = _linear(ctx, h, names, "up")
         act = g.op1(op, [up], domain=domain, **attrs)
-    return _linear(ctx, act, f"{prefix}.down", spec.mlp_bias, fold_bias=True)
+    return _linear(ctx, act, names, "down", fold_bias=True)
+
+
+# -- partial rotary, per-head q/k LayerNorm, parallel blocks (issue 14) ----------------------
+
+def _rotate(ctx: Context, rotary: tuple[str, str, str], q: str, k: str) -> tuple[str, str]:
+    """RotaryEmbedding on q and k ([B,T,heads*D]); with partial rotary only the first rotary_dim of each head."""
+    g, spec = ctx.g, ctx.spec
+    cos, sin, positions = rotary
+    partial = dict(rotary_embedding_dim=spec.rotary_dim) if spec.rotary_dim else {}
+    q = g.op1("RotaryEmbedding", [q, positions, cos, sin], domain=MS_DOMAIN, num_heads=spec.num_heads, **partial)
+    k = g.op1("RotaryEmbedding", [k, positions, cos, sin], domain=MS_DOMAIN, num_heads=spec.num_kv_heads, **partial)
+    return q, k
+
+
+def _layer_head_norm(ctx: Context, names: dict[str, str], x: str, heads: int, which: str = "q") -> str:
+    """[B,T,heads*D] LayerNorm over each head's D features, with per-head weights [heads,1,D] (and bias)."""
+    g, spec, w, d = ctx.g, ctx.spec, ctx.w, ctx.spec.head_dim
+    per_head = g.const([heads, d], dtype=np.int64)
+    y = g.op1("Reshape", [x, g.const([0, 0, heads, d], dtype=np.int64)])
+    y = g.op1("LayerNormalization", [y, g.const(np.ones(d, np.float32))], axis=-1, epsilon=float(spec.norm_eps))
+    y = g.op1("Mul", [y, g.op1("Reshape", [g.weight(w.get(names[f"{which}_norm"])), per_head])])
+    if spec.qk_norm_bias:
+        y = g.op1("Add", [y, g.op1("Reshape", [g.weight(w.get(names[f"{which}_norm_bias"])), per_head])])
+    return g.op1("Reshape", [y, g.const([0, 0, heads * d], dtype=np.int64)])
+
+
+def _parallel_mlp(ctx: Context, names: dict[str, str], residual: str, h: str, attn_out: str, attn_bias: str | None):
+    """Parallel blocks: the MLP reads the block's input (through the attention's norm, or its own),
+    and both outputs join the residual stream at the next skip-norm."""
+    g, spec, w = ctx.g, ctx.spec, ctx.w
+    if "mlp_norm" in names:
+        up = _mlp_input(names)
+        beta = [g.weight(w.norm_before(up, names["mlp_norm_bias"], 1))] if spec.norm == "layer" else []
+        op = "LayerNormalization" if spec.norm == "layer" else "SimplifiedLayerNormalization"
+        h = g.op1(op, [residual, g.weight(w.norm_before(up, names["mlp_norm"], 0)), *beta], axis=-1, epsilon=float(spec.norm_eps))
+    mlp_out, mlp_bias = _mlp(ctx, names, h)
+    biases = [b for b in (attn_bias, mlp_bias) if b]
+    bias = g.op1("Add", biases) if len(biases) == 2 else (biases[0] if biases else None)
+    return g.op1("Add", [attn_out, mlp_out]), bias
+
+
+def _mlp_input(names: dict[str, str]) -> str:
+    """The weight of the MatMul the MLP's norm feeds (anchors a norm weight the exporter renamed)."""
+    return names["up"] if "up" in names else names["router"]
 
 
 def _last_position(g: GraphBuilder, h: str, hidden: int) -> str:

@@ -27,6 +27,7 @@ FUSIONS = [
     "RotaryEmbedding (prefill)",
     "fused activations (QuickGelu as SiLU, FastGelu, Gelu)",
     "projection biases folded into the next skip-norm",
+    "MoE (com.microsoft) for sparse expert layers",
 ]
 
 

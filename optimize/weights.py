@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from llmx.errors import ArtifactError
 from llmx.onnx_files import load_graph
@@ -22,6 +24,7 @@ class SourceWeights:
     """The initializers of one exported graph (external data stays on disk, referenced)."""
 
     def __init__(self, artifact: Path, graph_file: str):
+        self.artifact = Path(artifact)
         model = load_graph(Path(artifact) / graph_file)
         self.tensors = {t.name: t for t in model.graph.initializer}
         self.producer = {out: node for node in model.graph.node for out in node.output}
@@ -37,6 +40,10 @@ class SourceWeights:
         if name not in self.tensors:
             raise ArtifactError(f"the artifact has no weight {name!r}; re-export it with this llmx")
         return self.tensors[name]
+
+    def array(self, name: str) -> "np.ndarray":
+        """The weight ``name``'s values (read from the artifact's external data when stored there)."""
+        return numpy_helper.to_array(self.get(name), base_dir=str(self.artifact))
 
     def _matmul_of(self, weight: str) -> onnx.NodeProto:
         node = next((n for n in self.consumers.get(weight, []) if n.op_type == "MatMul" and n.input[1] == weight), None)

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from llmx.errors import InputError
+from llmx.rope import long_context_threshold
 from llmx.runtime.sequence import Sequence
 
 Event = tuple[Sequence, str]  # a sequence and the text it made visible this step
@@ -28,6 +29,8 @@ class Batch:
         # Called with (sequence, cache, row) as a finished sequence leaves, before its row is
         # reused: the server's prefix cache keeps the KV of what it generated.
         self.on_leave: Callable[[Sequence, object, int], None] | None = None
+        manifest = getattr(backend, "manifest", None)
+        self.long_rope_at = long_context_threshold(manifest.model.get("rope") or {}) if manifest else None
 
     @property
     def free_rows(self) -> int:
@@ -63,8 +66,23 @@ class Batch:
         self.compact()
         if not self.active:
             return []
+        if self._long_rope_starts():
+            return self._recompute()
         ids = np.asarray(self.next_ids, dtype=np.int64)[:, None]
         logits = self.backend.decode(self.cache, ids)[:, 0]
+        return self._sample(logits, 0)
+
+    def _long_rope_starts(self) -> bool:
+        """LongRoPE: this step takes the batch past original_max_position_embeddings, so the graphs
+        switch to the long factors, and every cached key was rotated with the short ones."""
+        longest = int(self.cache.lengths[: len(self.active)].max())
+        return self.long_rope_at is not None and longest == self.long_rope_at
+
+    def _recompute(self) -> list[Event]:
+        """Run every sequence again from its first token with the long factors, as transformers'
+        Phi-3 drops its cache at this step; the logits are those of the step's new tokens."""
+        tokens = [s.prompt_ids + s.output_ids for s in self.active]  # the last output is the step's new token
+        logits = self.backend.prefill(self.cache, list(range(len(self.active))), tokens)
         return self._sample(logits, 0)
 
     def _sample(self, logits: np.ndarray, start: int) -> list[Event]:

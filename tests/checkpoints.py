@@ -42,6 +42,24 @@ def train_tokenizer(directory: Path, vocab_size: int = 320) -> int:
     return tok.get_vocab_size()
 
 
+# -- parallel blocks, partial rotary, q/k LayerNorm, MoE (issue 14) ------------------------
+def _fam_b_configs() -> dict:
+    import transformers as T
+
+    return {"phi": T.PhiConfig, "gpt_neox": T.GPTNeoXConfig, "stablelm": T.StableLmConfig,
+            "starcoder2": T.Starcoder2Config, "mixtral": T.MixtralConfig, "qwen3_moe": T.Qwen3MoeConfig}
+
+
+FAM_B_EXTRA = {
+    "phi": dict(num_key_value_heads=4, partial_rotary_factor=0.5),
+    "gpt_neox": dict(num_key_value_heads=None, rotary_pct=0.25),  # MHA only; rotary on 4 of 16 dims
+    "stablelm": dict(num_key_value_heads=2, partial_rotary_factor=0.5),
+    "starcoder2": dict(sliding_window=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, head_dim=16),
+}
+
+
 def make_config(family: str, vocab_size: int, **overrides):
     import transformers as T
 
@@ -49,12 +67,22 @@ def make_config(family: str, vocab_size: int, **overrides):
     if family == "gpt2":
         cfg = dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
         return T.GPT2Config(**{**cfg, **overrides})
-    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config}[family]
-    extra = {"mistral": dict(sliding_window=16, num_key_value_heads=1), "llama": dict(tie_word_embeddings=False)}.get(family, {})
+    cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config, **_issue14_configs(T),
+           **_fam_b_configs()}[family]
+    extra = {"mistral": dict(sliding_window=16, num_key_value_heads=1), "llama": dict(tie_word_embeddings=False),
+             **FAM_B_EXTRA}.get(family, {})
     return cls(**{**TINY, **common, **extra, **overrides})
 
 
-def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def _issue14_configs(T) -> dict:
+    return {"qwen3": T.Qwen3Config, "gemma": T.GemmaConfig, "gemma2": T.Gemma2Config, "gemma3_text": T.Gemma3TextConfig,
+            "granite": T.GraniteConfig, "olmo2": T.Olmo2Config, "smollm3": T.SmolLM3Config, "phi3": T.Phi3Config}
+
+
+def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, random_vectors: bool = False,
+                    **overrides) -> Path:
+    """``random_vectors``: norm weights and biases get noise too, so no two are equal (the exporter
+    would merge equal initializers) and a norm applied to the wrong tensor shows in the logits."""
     import torch
     import transformers as T
 
@@ -67,5 +95,7 @@ def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, **ove
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.mul_(2.5)
+            elif random_vectors:
+                p.add_(0.2 * torch.randn_like(p))
     model.eval().save_pretrained(directory)
     return directory

@@ -17,6 +17,60 @@ from checkpoints import make_checkpoint  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 
+# Issue 14's families, each with its uncommon settings switched on (random norm weights and
+# biases throughout). Windows of 8 are shorter than the test prompts; soft-caps are small enough
+# to bite on these logits; LongRoPE's original length 4 is below every prompt's.
+_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=4,
+                 short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+_LOCAL_GLOBAL = ["sliding_attention", "full_attention"]
+FAMILY_VARIANTS: dict[str, tuple[str, dict]] = {
+    # q/k norm per head, head_dim 32 != hidden / heads, a sliding window on layer 1 (max_window_layers).
+    "qwen3": ("qwen3", dict(random_vectors=True, head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    # (1 + w) norms, sqrt(hidden) embeddings, gelu-tanh, head_dim 32, tied head.
+    "gemma": ("gemma", dict(random_vectors=True, head_dim=32)),
+    # + post norms, both soft-caps, query_pre_attn_scalar, local/global layers.
+    "gemma2": ("gemma2", dict(random_vectors=True, head_dim=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                              query_pre_attn_scalar=24, sliding_window=8, layer_types=_LOCAL_GLOBAL)),
+    # + q/k norm, local layers with their own RoPE (global one linear-scaled), final soft-cap, untied.
+    "gemma3_text": ("gemma3_text", dict(random_vectors=True, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                        layer_types=_LOCAL_GLOBAL, final_logit_softcapping=5.0, tie_word_embeddings=False,
+                                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                                         "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6)})),
+    # all four multipliers away from 1, tied head.
+    "granite": ("granite", dict(random_vectors=True, embedding_multiplier=12.0, attention_multiplier=0.2,
+                                residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True)),
+    # no pre-norms, post norms, q/k norm over the whole projection.
+    "olmo2": ("olmo2", dict(random_vectors=True)),
+    # RoPE on layer 0 only (interval 2), yarn scaling.
+    "smollm3": ("smollm3", dict(random_vectors=True, no_rope_layer_interval=2,
+                                rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                                     original_max_position_embeddings=64))),
+    # fused qkv_proj / gate_up_proj, LongRoPE past its original length from the first token on.
+    "phi3": ("phi3", dict(random_vectors=True, original_max_position_embeddings=4, rope_parameters=_LONGROPE)),
+    # -- phi, gpt_neox, stablelm, starcoder2, mixtral, qwen3_moe: one exported variant each, several
+    # quirks at once; tests/test_family_settings.py switches the rest the other way, in torch.
+    # Parallel block from one norm, rotary on 8 of 16 dims, per-head q/k LayerNorm, head bias.
+    "phi-qk-layernorm": ("phi", dict(random_vectors=True, qk_layernorm=True)),
+    # Parallel residual with two norms, rotary on 4 of 16 dims, per-head-interleaved qkv, tied head.
+    "gpt_neox-tied": ("gpt_neox", dict(random_vectors=True, tie_word_embeddings=True)),
+    # Parallel residual from one norm, q/k/v bias, per-head q/k LayerNorm (one per head), rotary 8/16.
+    "stablelm-parallel-qkv-bias": ("stablelm", dict(random_vectors=True, use_parallel_residual=True, use_qkv_bias=True,
+                                                    qk_layernorm=True)),
+    # LayerNorm and biases, gelu-tanh c_fc/c_proj, window 16 (shorter than the prompts), tied head.
+    "starcoder2": ("starcoder2", dict(random_vectors=True)),
+    # Top-2 of 4 experts, renormalized.
+    "mixtral": ("mixtral", dict(random_vectors=True)),
+    # Top-2 of 4 without renormalizing, layer 1 dense (mlp_only_layers), q/k RMSNorm per head.
+    "qwen3_moe-dense-layer": ("qwen3_moe", dict(random_vectors=True, norm_topk_prob=False, mlp_only_layers=[1])),
+}
+
+# Checked only where a test names them (tests/test_families.py).
+EXTRA_VARIANTS: dict[str, tuple[str, dict]] = {
+    # LongRoPE whose original length (16) a short prompt's continuation crosses.
+    "phi3-longrope-crossing": ("phi3", dict(random_vectors=True, original_max_position_embeddings=16,
+                                            rope_parameters={**_LONGROPE, "original_max_position_embeddings": 16})),
+}
+
 # Named checkpoint variants: each family, plus Llama with the quirks switched the other way.
 VARIANTS: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
@@ -35,6 +89,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "mistral": ("mistral", {}),  # sliding window 16, one KV head
     "qwen2": ("qwen2", {}),  # q/k/v bias
     "gpt2": ("gpt2", {}),  # learned positions, LayerNorm, GELU, Conv1D weights
+    **FAMILY_VARIANTS,
 }
 
 
@@ -48,7 +103,7 @@ class _Store:
 
     def checkpoint(self, variant: str) -> Path:
         if variant not in self.checkpoints:
-            family, overrides = VARIANTS[variant]
+            family, overrides = {**VARIANTS, **EXTRA_VARIANTS}[variant]
             self.checkpoints[variant] = make_checkpoint(self.root / "ckpt" / variant, family, **overrides)
         return self.checkpoints[variant]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VARIANTS
+from conftest import FAMILY_VARIANTS, VARIANTS
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
 
@@ -78,7 +78,7 @@ def test_greedy_32_tokens_identical_to_transformers_generate(variant, engines, r
         assert ours.finish_reason == "length"
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("variant", ["llama", "mistral", "gpt2", *FAMILY_VARIANTS])
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_padded_batch_of_three_equals_each_prompt_alone(variant, padding, engines):
     engine = engines(variant)

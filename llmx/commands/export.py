@@ -12,8 +12,11 @@ def register(cli: click.Group) -> None:
         """Export a local Hugging Face checkpoint directory to an artifact.
 
         \b
-        Decoders (Llama, Mistral, Qwen2, GPT-2) become prefill.onnx + decode.onnx sharing
-        weights.bin; the tokenizer and a manifest (llmx.json) come along.
+        Decoders become prefill.onnx + decode.onnx sharing weights.bin; the tokenizer and a
+        manifest (llmx.json) come along. Families (config.json's model_type): llama, mistral,
+        qwen2, gpt2, qwen3, gemma, gemma2, gemma3_text, granite, olmo2, smollm3, phi3, phi,
+        gpt_neox, stablelm, starcoder2, mixtral, qwen3_moe;
+        encoders: bert.
         """
         from llmx.export import export_checkpoint
 

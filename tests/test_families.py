@@ -1,0 +1,83 @@
+"""Issue 14's families beyond the shared parity tables (tests/test_parity.py, tests/test_optimize.py
+run every FAMILY_VARIANTS entry through prefill + 16 decode steps, 32 greedy tokens and padded
+batches, portable and fused): what those tables cannot show, and the docs that list the families."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAMILY_VARIANTS
+from llmx.runtime.engine import Engine
+from llmx.runtime.sampling import SamplingParams
+from llmx.spec import FAMILIES
+from test_cli import run
+
+ROOT = Path(__file__).resolve().parents[1]
+DECODERS = [name for name, row in FAMILIES.items() if row.get("kind", "decoder") == "decoder"]
+
+
+def test_every_family_is_listed_in_help_readme_and_models_doc(capsys):
+    code, out, _ = run(["export", "--help"], capsys)
+    assert code == 0
+    help_text = " ".join(out.split())
+    readme = (ROOT / "README.md").read_text()
+    models = (ROOT / "docs" / "models.md").read_text()
+    for family in DECODERS:
+        assert family in help_text, family
+        assert f"| `{family}` |" in readme, family
+        assert f"| `{family}` |" in models, family
+    assert {v[0] for v in FAMILY_VARIANTS.values()} <= set(DECODERS)
+
+
+def test_longrope_switches_to_long_factors_mid_generation_like_transformers(store, tmp_path):
+    """A prompt shorter than original_max_position_embeddings (16) whose continuation crosses it:
+    transformers changes factor sets at the crossing for the new tokens only; so must both graphs."""
+    import transformers
+
+    from llmx.optimize.fuse import optimize_artifact
+
+    variant = "phi3-longrope-crossing"
+    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint(variant)).eval()
+    portable = store.artifact(variant)
+    optimize_artifact(portable, tmp_path / "opt")
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    for art in (portable, tmp_path / "opt"):
+        engine = Engine.load(art, threads=1)
+        ids = engine.encode("import json")
+        assert len(ids) < 16 < len(ids) + 24
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert engine.generate(["import json"], params)[0].output_ids == ref[0, len(ids):].tolist()
+
+
+def test_calibrate_w8_on_a_new_family(store, tmp_path):
+    from llmx.calibration import CalibrationOptions, calibrate_artifact
+
+    data = tmp_path / "calib.txt"
+    data.write_text(inspect.getsource(inspect))
+    out = tmp_path / "w8"
+    calibrate_artifact(store.artifact("gemma2"), out, data,
+                       CalibrationOptions(scheme="w8", block_size=16, samples=4, seq_len=32, eval_samples=4, threads=1))
+    seq = Engine.load(out, threads=1).generate(["def main():"], SamplingParams(max_new_tokens=8, temperature=0))[0]
+    assert len(seq.output_ids) == 8
+
+
+def test_optimize_refuses_a_feature_the_fused_graph_cannot_do(store, tmp_path, capsys):
+    """q/k norm as LayerNorm (not RMSNorm) has no fused block: one line naming it, nothing written."""
+    import json
+    import shutil
+
+    from test_cli import error_line, leftovers
+
+    src = tmp_path / "layer-qk"
+    shutil.copytree(store.artifact("qwen3"), src)
+    manifest = json.loads((src / "llmx.json").read_text())
+    manifest["model"]["norm"] = "layer"
+    (src / "llmx.json").write_text(json.dumps(manifest))
+    code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
+    assert code != 0 and "q/k norm with LayerNorm" in error_line(err)
+    assert leftovers(tmp_path) == ["layer-qk"]
