@@ -30,7 +30,7 @@ class Batch:
         # reused: the server's prefix cache keeps the KV of what it generated.
         self.on_leave: Callable[[Sequence, object, int], None] | None = None
         manifest = getattr(backend, "manifest", None)
-        self.long_rope_at = long_context_threshold(manifest.model.get("rope") or {}) if manifest else None
+        self.long_rope_at = long_context_threshold(manifest.model.rope or {}) if manifest else None
 
     @property
     def free_rows(self) -> int:
