@@ -1,0 +1,141 @@
+"""The accuracy-aware search of ``llmx calibrate``: it falls back on exactly the MatMuls that carry
+planted activation outliers, refuses a target it cannot reach, and its flags fix its dimensions."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from llmx.calibration import CalibrationOptions, calibrate_artifact
+from llmx.calibration.search import SearchSpace
+from llmx.manifest import load_manifest
+from outliers import plant_outliers
+from test_cli import error_line, leftovers, run
+
+SMALL = dict(samples=4, seq_len=64, eval_samples=6, threads=1)
+PLANTED_LAYERS = (1, 4)
+
+
+@pytest.fixture(scope="module")
+def stdlib_text(tmp_path_factory) -> tuple[Path, Path]:
+    """Calibration text from the demo model's training modules, held-out text from modules it never saw."""
+    import functools
+    import shutil
+    import string
+
+    root = tmp_path_factory.mktemp("search-data")
+    calib, held_out = root / "calib", root / "heldout"
+    calib.mkdir(), held_out.mkdir()
+    for module in (shutil, string):
+        (calib / f"{module.__name__}.py").write_text(inspect.getsource(module))
+    for module in (argparse, functools):
+        (held_out / f"{module.__name__}.py").write_text(inspect.getsource(module))
+    return calib, held_out
+
+
+@pytest.fixture(scope="module")
+def planted(demo_artifact, tmp_path_factory) -> tuple[Path, list[str]]:
+    out = tmp_path_factory.mktemp("planted") / "art"
+    return out, plant_outliers(demo_artifact, out, PLANTED_LAYERS, factor=80)
+
+
+def decode_logits(artifact: Path, window: list[int]) -> np.ndarray:
+    from llmx.calibration.judge import DecoderJudge
+
+    judge = DecoderJudge(artifact / "decode.onnx", load_manifest(artifact), [window], threads=1)
+    return judge.reference[0]
+
+
+def test_planted_outliers_leave_the_fp32_function_unchanged(planted, demo_artifact):
+    art, weights = planted
+    assert weights == [f"model.layers.{i}.attn.qkv.weight" for i in PLANTED_LAYERS]
+    window = list(range(5, 69))
+    np.testing.assert_allclose(decode_logits(art, window), decode_logits(demo_artifact, window), atol=2e-3)
+
+
+def test_search_falls_back_on_exactly_the_planted_outlier_matmuls(planted, stdlib_text, tmp_path):
+    """Static per-tensor INT8 without smoothing collapses on the loud channels; the sensitivity pass
+    finds the two MatMuls that read them, and keeping those two in fp32 is what meets the target."""
+    art, weights = planted
+    calib, held_out = stdlib_text
+    space = SearchSpace(target=1.01, methods=("minmax",), alphas=(None,))
+    options = CalibrationOptions(scheme="w8a8", search=space, **SMALL)
+    manifest = calibrate_artifact(art, tmp_path / "q", calib, options, eval_data=held_out)
+    report = manifest.extras["quality"]
+    search = report["search"]
+    recipe, *fallbacks = search["candidates"]
+    assert recipe["fallback"] == [] and not recipe["meets"] and recipe["perplexity_ratio"] > 1.01
+    ranked = sorted(search["sensitivity"], key=search["sensitivity"].get, reverse=True)
+    assert sorted(ranked[:2]) == weights and len(ranked) == 25  # 4 MatMuls x 6 layers + lm_head
+    chosen = search["candidates"][search["chosen"]]
+    assert sorted(chosen["fallback"]) == weights and chosen["meets"]
+    assert all(not r["meets"] for r in fallbacks if len(r["fallback"]) < 2)  # one fallback is not enough
+    assert sorted(manifest.precision["fallback"]) == weights
+    assert report["meets_target"] and report["perplexity_ratio"] <= 1.01
+    for graph in ("prefill", "decode"):  # those two MatMuls read fp32 inputs and fp32 weights
+        model = onnx.load_model(str(tmp_path / "q" / f"{graph}.onnx"), load_external_data=False)
+        inits = {i.name: i for i in model.graph.initializer}
+        matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+        assert sorted(n.input[1] for n in matmuls) == weights
+        assert all(inits[n.input[1]].data_type == onnx.TensorProto.FLOAT for n in matmuls)
+
+
+def test_default_search_meets_w8a8_on_planted_outliers(planted, stdlib_text, tmp_path):
+    """With no flags beyond the scheme, SmoothQuant in the recipe grid undoes the planted outliers."""
+    art, _ = planted
+    calib, held_out = stdlib_text
+    options = CalibrationOptions(scheme="w8a8", search=SearchSpace(), **SMALL)
+    report = calibrate_artifact(art, tmp_path / "q", calib, options, eval_data=held_out).extras["quality"]
+    assert report["meets_target"] and report["perplexity_ratio"] <= 1.02
+    chosen = report["search"]["candidates"][report["search"]["chosen"]]
+    assert chosen["smoothquant"] is not None and chosen["fallback"] == []
+    assert report["options"]["smoothquant"] == chosen["smoothquant"]
+    assert report["calibration_seconds"] > 0 and report["search"]["seconds"]["search"] > 0
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(inspect.getsource(argparse))
+    return path
+
+
+def test_unreachable_target_is_refused_with_the_best_found(store, calib_text, tmp_path, capsys):
+    args = ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--scheme", "w8", "--samples", "2",
+            "--seq-len", "32", "--eval-samples", "2", "--threads", "1", "--target", "0.5", "--no-fallback"]
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    code, out, err = run([*args, "-o", str(out_parent / "a")], capsys)
+    assert code == 1 and "no configuration meets the target (perplexity ratio <= 0.5)" in error_line(err)
+    assert "the best found, rtn, measures perplexity x" in error_line(err)
+    assert "recipe   rtn" in err and out == "" and leftovers(out_parent) == []
+    code, out, err = run([*args, "-o", str(out_parent / "b"), "--force"], capsys)  # kept, and the report says so
+    assert code == 0, err
+    report = json.loads((out_parent / "b" / "quality.json").read_text())
+    assert report["meets_target"] is False and report["search"]["met"] is False
+    assert "the artifact MISSES the target" in out
+
+
+def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
+    base = ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--scheme", "w8a8", "--samples", "2",
+            "--seq-len", "32", "--eval-samples", "2", "--threads", "1", "--target", "1.5", "--json"]
+    code, out, err = run([*base, "--method", "minmax", "--smoothquant", "off", "-o", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    search = json.loads(out)["search"]
+    assert [(r["method"], r["smoothquant"]) for r in search["candidates"]] == [("minmax", None)]
+    code, out, err = run([*base, "--method", "minmax", "-o", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    alphas = [r["smoothquant"] for r in json.loads(out)["search"]["candidates"]]
+    assert alphas == [None, 0.5, 0.8]
+    code, out, err = run([*base[:-3], "--json", "--no-search", "-o", str(tmp_path / "c")], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert "search" not in report and report["options"]["method"] == "percentile"
+    code, _, err = run([*base, "--no-search", "-o", str(tmp_path / "d")], capsys)
+    assert code == 2 and "--target needs the search" in error_line(err)
