@@ -2,7 +2,8 @@
 
     1. statistics: one fp32 pass over the calibration data (activations.py), one over the
        held-out split for reference outputs (judge.py); nothing later reruns the fp32 model
-    2. recipes: every range method x SmoothQuant alpha (w8a8) or RTN/AWQ (w8/w4), scored
+    2. recipes: range method x SmoothQuant alpha (w8a8; minmax first, whose ranges come free from
+       the statistics, then percentile if no minmax recipe meets) or RTN/AWQ (w4), scored
     3. if none meets the target: each MatMul's sensitivity, measured once on the best recipe
        (the error it alone causes when it is the only quantized MatMul), then the fewest most
        sensitive MatMuls kept in higher precision (doubling, then bisecting the count)
@@ -47,10 +48,13 @@ class SearchSpace:
             return self.target
         return ENCODER_TARGET if encoder else DEFAULT_TARGETS[scheme]
 
-    def recipes(self, scheme: str) -> list[Candidate]:
-        if scheme == "w8a8":
-            return [Candidate(method=m, alpha=a) for a in self.alphas for m in self.methods]
-        return [Candidate(awq=a) for a in (self.awq if scheme == "w4" else (False,))]
+    def recipes(self, scheme: str) -> list[list[Candidate]]:
+        """Recipes in tiers, cheapest first: minmax ranges follow from the statistics, the other
+        methods rerun a calibrator, so they are tried only when no minmax recipe meets the target."""
+        if scheme != "w8a8":
+            return [[Candidate(awq=a) for a in (self.awq if scheme == "w4" else (False,))]]
+        tiers = [[m for m in self.methods if m == "minmax"], [m for m in self.methods if m != "minmax"]]
+        return [[Candidate(method=m, alpha=a) for a in self.alphas for m in tier] for tier in tiers if tier]
 
 
 def describe_target(target: float, encoder: bool) -> str:
@@ -119,7 +123,11 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats, held_out: list[li
     log(f"search: {describe_target(target, encoder)} on {len(held_out)} held-out "
         f"{'sentences' if encoder else 'windows'} ({judge.graph} graph)")
     search = Search(judge, builder, target, options.threads, log)
-    recipes = [search.attempt(c, "recipe") for c in space.recipes(options.scheme)]
+    recipes: list[dict] = []
+    for tier in space.recipes(options.scheme):
+        if any(r["meets"] for r in recipes):
+            break
+        recipes += [search.attempt(c, "recipe") for c in tier]
     sensitivity = {}
     if not any(r["meets"] for r in recipes) and space.fallback:
         best = min(recipes, key=judge.error)

@@ -122,6 +122,18 @@ def test_unreachable_target_is_refused_with_the_best_found(store, calib_text, tm
     assert "the artifact MISSES the target" in out
 
 
+def test_recipes_are_tried_cheapest_first(store, calib_text, tmp_path):
+    """minmax recipes (ranges straight from the statistics) first; percentile only when none meets."""
+    options = dict(scheme="w8a8", samples=2, seq_len=32, eval_samples=2, threads=1)
+    easy = calibrate_artifact(store.artifact("llama"), tmp_path / "easy", calib_text,
+                              CalibrationOptions(**options, search=SearchSpace(target=1.5, fallback=False)))
+    assert {r["method"] for r in easy.extras["quality"]["search"]["candidates"]} == {"minmax"}
+    hard = calibrate_artifact(store.artifact("llama"), tmp_path / "hard", calib_text,
+                              CalibrationOptions(**options, search=SearchSpace(target=0.5, fallback=False)), force=True)
+    methods = [r["method"] for r in hard.extras["quality"]["search"]["candidates"]]
+    assert methods == ["minmax"] * 3 + ["percentile"] * 3
+
+
 def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
     base = ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--scheme", "w8a8", "--samples", "2",
             "--seq-len", "32", "--eval-samples", "2", "--threads", "1", "--target", "1.5", "--json"]
@@ -129,10 +141,10 @@ def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
     assert code == 0, err
     search = json.loads(out)["search"]
     assert [(r["method"], r["smoothquant"]) for r in search["candidates"]] == [("minmax", None)]
-    code, out, err = run([*base, "--method", "minmax", "-o", str(tmp_path / "b")], capsys)
+    code, out, err = run([*base, "--method", "percentile", "-o", str(tmp_path / "b")], capsys)
     assert code == 0, err
-    alphas = [r["smoothquant"] for r in json.loads(out)["search"]["candidates"]]
-    assert alphas == [None, 0.5, 0.8]
+    recipes = [(r["method"], r["smoothquant"]) for r in json.loads(out)["search"]["candidates"]]
+    assert recipes == [("percentile", None), ("percentile", 0.5), ("percentile", 0.8)]
     code, out, err = run([*base[:-3], "--json", "--no-search", "-o", str(tmp_path / "c")], capsys)
     assert code == 0, err
     report = json.loads(out)
