@@ -4,6 +4,10 @@
                                                                                     |
                         new artifact: graphs, weights.bin, quality.json, tensorrt/ <+
 
+With ``options.search`` (the CLI's default) the recipe is not given but found: ``search.py``
+tries recipes and per-MatMul fallbacks on the held-out split until a quality target holds,
+and the chosen one is built as below.
+
 Schemes: ``w8a8`` static INT8 Q/DQ (calibrated activations, per-channel weights; the graphs
 TensorRT reads), ``w8`` and ``w4`` weight-only MatMulNBits. Both graphs are quantized; decode
 is calibrated on real KV caches (see ``feeds``). ``kv_cache="int8"`` also stores the KV cache
