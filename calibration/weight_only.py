@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from llmx.calibration.matmuls import weight_matmuls
+from llmx.calibration.matmuls import name_nodes, weight_matmuls
 from llmx.calibration.quiet import quiet_logging
 from llmx.errors import InputError
 
@@ -37,6 +37,7 @@ def quantize_weights(model, scheme: str, block_size: int, symmetric: bool, fallb
                      skip: Collection[str] = ()):
     """Replace the weight MatMuls of ``model`` (weights loaded) with MatMulNBits; returns the new model."""
     check_block_size(block_size)
+    name_nodes(model)  # the quantizer selects nodes by name; unnamed ones would all match ""
     matmuls = [mm for mm in weight_matmuls(model) if mm.weight not in skip]
     held = [mm.node.name for mm in matmuls if mm.weight in fallback]
     rest = [mm.node.name for mm in matmuls if mm.weight not in fallback]
@@ -53,8 +54,11 @@ def quantize_weights(model, scheme: str, block_size: int, symmetric: bool, fallb
 
 
 def _nbits(model, bits: int, nodes: list[str], block_size: int, symmetric: bool):
-    if not nodes:  # the quantizer reads an empty selection as "every MatMul"
+    if not nodes:
         return model
+    # The quantizer takes a node if it is included *or* of a quantized op type, so a selection
+    # is made by excluding every other MatMul.
+    others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
     with quiet_logging():
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
@@ -64,7 +68,7 @@ def _nbits(model, bits: int, nodes: list[str], block_size: int, symmetric: bool)
             block_size=block_size,
             is_symmetric=symmetric,
             accuracy_level=CPU_ACCURACY_LEVEL,
-            nodes_to_include=nodes,
+            nodes_to_exclude=others,
             op_types_to_quantize=("MatMul",),
         )
         quantizer.process()

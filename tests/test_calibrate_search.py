@@ -126,12 +126,12 @@ def test_recipes_are_tried_cheapest_first(store, calib_text, tmp_path):
     """minmax recipes (ranges straight from the statistics) first; percentile only when none meets."""
     options = dict(scheme="w8a8", samples=2, seq_len=32, eval_samples=2, threads=1)
     easy = calibrate_artifact(store.artifact("llama"), tmp_path / "easy", calib_text,
-                              CalibrationOptions(**options, search=SearchSpace(target=1.5, fallback=False)))
-    assert {r["method"] for r in easy.extras["quality"]["search"]["candidates"]} == {"minmax"}
+                              CalibrationOptions(**options, search=SearchSpace(target=1.5, alphas=(None,), fallback=False)))
+    assert [r["method"] for r in easy.extras["quality"]["search"]["candidates"]] == ["minmax"]
     hard = calibrate_artifact(store.artifact("llama"), tmp_path / "hard", calib_text,
-                              CalibrationOptions(**options, search=SearchSpace(target=0.5, fallback=False)), force=True)
-    methods = [r["method"] for r in hard.extras["quality"]["search"]["candidates"]]
-    assert methods == ["minmax"] * 3 + ["percentile"] * 3
+                              CalibrationOptions(**options, search=SearchSpace(target=0.5, alphas=(None,), fallback=False)),
+                              force=True)
+    assert [r["method"] for r in hard.extras["quality"]["search"]["candidates"]] == ["minmax", "percentile"]
 
 
 def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
@@ -151,3 +151,64 @@ def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
     assert "search" not in report and report["options"]["method"] == "percentile"
     code, _, err = run([*base, "--no-search", "-o", str(tmp_path / "d")], capsys)
     assert code == 2 and "--target needs the search" in error_line(err)
+
+
+# -- the building blocks ---------------------------------------------------------------------
+
+def test_minmax_ranges_from_statistics_equal_the_ort_calibrator(store, calib_text, tmp_path):
+    """The search derives minmax ranges from one statistics pass; they are what ORT's MinMax finds."""
+    from llmx.calibration.activations import collect_stats
+    from llmx.calibration.data import read_text_data, token_windows
+    from llmx.calibration.pipeline import make_feeds, prepare_fp32
+    from llmx.calibration.static import collect_ranges, minmax_ranges
+    from llmx.runtime.tokenizer import Tokenizer
+
+    src = store.artifact("llama")
+    manifest = load_manifest(src)
+    windows = token_windows(Tokenizer(src, manifest), read_text_data(calib_text), 32)[:3]
+    paths = prepare_fp32(src, manifest, tmp_path / "fp32")
+    feeds = make_feeds(src, manifest, windows, 1)
+    stats = collect_stats(paths, feeds, threads=1)
+    for graph, path in paths.items():
+        ours = minmax_ranges(onnx.load_model(str(path), load_external_data=False), stats.absmax[graph])
+        theirs = collect_ranges(path, feeds(graph), "minmax")
+        assert set(ours.keys()) == set(theirs.keys()) and len(ours.keys()) == 9
+        for name in ours.keys():
+            np.testing.assert_allclose(ours[name].range_value[1], theirs[name].range_value[1], rtol=1e-6)
+
+
+def test_awq_scale_beats_rounding_when_a_few_channels_are_salient():
+    from llmx.calibration.awq import best_scale, fake_quantize
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 128)).astype(np.float32)
+    x[:, :4] *= 30  # salient input channels
+    w = rng.normal(size=(128, 64)).astype(np.float32)
+    s = best_scale(x, w, np.abs(x).mean(0), block_size=32, bits=4)
+    assert s is not None and s[:4].min() > np.median(s)  # salient rows scaled up
+    rtn = ((x @ fake_quantize(w, 4, 32) - x @ w) ** 2).mean()
+    awq = (((x / s) @ fake_quantize(w * s[:, None], 4, 32) - x @ w) ** 2).mean()
+    assert awq < 0.8 * rtn
+    flat = np.ones((256, 128), np.float32)  # no salience: plain rounding is kept
+    assert best_scale(flat, w, np.ones(128), 32, 4) is None
+
+
+@pytest.mark.parametrize("scheme", ["w8", "w4"])
+def test_weight_only_fallback_precision(scheme, store):
+    """w8 fallback: INT8 weights at accuracy level 0; w4 fallback: 8-bit weights; skip: fp32."""
+    from llmx.calibration.matmuls import weight_matmuls
+    from llmx.calibration.weight_only import quantize_weights
+
+    model = onnx.load_model(str(store.artifact("llama") / "decode.onnx"))
+    weights = [mm.weight for mm in weight_matmuls(model)]
+    held, skipped = weights[0], weights[1]
+    out = quantize_weights(model, scheme, 32, True, fallback={held}, skip={skipped})
+    nodes = {n.input[1].rsplit("_Q", 1)[0]: n for n in out.graph.node if n.op_type == "MatMulNBits"}
+    assert set(nodes) == set(weights) - {skipped}
+    level = {w: {a.name: a.i for a in n.attribute}.get("accuracy_level", 0) for w, n in nodes.items()}
+    bits = {w: {a.name: a.i for a in n.attribute}["bits"] for w, n in nodes.items()}
+    if scheme == "w8":
+        assert level[held] == 0 and all(level[w] == 4 for w in nodes if w != held) and set(bits.values()) == {8}
+    else:
+        assert bits[held] == 8 and all(bits[w] == 4 for w in nodes if w != held)
+    assert any(n.op_type == "MatMul" and n.input[1] == skipped for n in out.graph.node)
