@@ -152,8 +152,10 @@ def search_recipe(src: Path, manifest: Manifest, split, options: CalibrationOpti
     work.mkdir()
     paths = pipeline.prepare_fp32(src, manifest, work / "fp32")
     feeds = pipeline.make_feeds(src, manifest, split.calibration, options.threads)
-    with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
-        stats = collect_stats(paths, feeds, bar.update, options.threads)
+    stats = None
+    if options.scheme == "w8a8" or (options.scheme == "w4" and True in options.search.awq):  # else unused
+        with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
+            stats = collect_stats(paths, feeds, bar.update, options.threads)
     chosen, record = run_search(paths, manifest, feeds, stats, split.evaluation, options, options.search, work, log)
     if not record["met"]:
         best = record["candidates"][record["chosen"]]
