@@ -25,22 +25,35 @@ VARIANTS = {
     "w8a8-entropy-sq": dict(scheme="w8a8", method="entropy", smoothquant=0.5),
     "w8": dict(scheme="w8"),
     "w4": dict(scheme="w4", block_size=32),
+    # `llmx calibrate --scheme X` with no other flag: the accuracy-aware search (calibration/search.py)
+    "w8a8-search": dict(scheme="w8a8", search=True),
+    "w8-search": dict(scheme="w8", search=True),
+    "w4-search": dict(scheme="w4", block_size=32, search=True),
 }
-TARGETS = {"w8a8": 1.02, "w8a8-sq": 1.02, "w8a8-entropy-sq": 1.02, "w8": 1.005, "w4": 1.05}  # max perplexity ratio
+TARGETS = {"w8a8": 1.02, "w8a8-sq": 1.02, "w8a8-entropy-sq": 1.02, "w8": 1.005, "w4": 1.05,  # max perplexity ratio
+           "w8a8-search": 1.02, "w8-search": 1.005, "w4-search": 1.03}
 
 
 def calibrate(art: Path, out: Path, name: str, args) -> dict:
     from llmx.calibration import CalibrationOptions, calibrate_artifact
 
+    from llmx.calibration.report import format_report
+    from llmx.calibration.search import SearchSpace
+
     target = out / name
     if not (args.reuse and (target / "quality.json").is_file()):
-        options = CalibrationOptions(**VARIANTS[name], samples=args.samples, seq_len=args.seq_len,
+        settings = dict(VARIANTS[name])
+        settings["search"] = SearchSpace() if settings.pop("search", False) else None
+        options = CalibrationOptions(**settings, samples=args.samples, seq_len=args.seq_len,
                                      eval_samples=args.eval_samples, threads=args.threads)
         start = time.perf_counter()
         calibrate_artifact(art, target, args.data, options, eval_data=args.eval_data, force=True,
                            log=lambda msg: print(msg, file=sys.stderr))
         print(f"{name}: calibrated in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    return json.loads((target / "quality.json").read_text())
+    report = json.loads((target / "quality.json").read_text())
+    if "search" in report:
+        print(f"{name}:\n{format_report(report)}")
+    return report
 
 
 def decode_rate(backend, prompt: int, steps: int) -> float:

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from llmx.calibration.activations import ActivationStats, collect_stats
 from llmx.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -37,34 +38,58 @@ def silent(description: str, total: int) -> _Silent:
 
 
 def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], options: CalibrationOptions,
-                    work: Path, progress: Progress) -> tuple[dict, Path | None, dict]:
-    """(quantized models, the directory their external data lives in, what was done)."""
-    from llmx.calibration.feeds import Feeds
-    from llmx.calibration.matmuls import declare_activation_types, name_nodes
-    from llmx.onnx_files import load_graph, save_graphs
+                    work: Path, progress: Progress, stats: ActivationStats | None = None) -> tuple[dict, Path | None, dict]:
+    """(quantized models, the directory their external data lives in, what was done).
+
+    ``stats``: activation statistics of these windows already collected (by the search); else
+    they are collected here when SmoothQuant, AWQ or minmax ranges need them.
+    """
+    from llmx.onnx_files import load_graph
 
     if options.scheme is None:  # weights stay as they are (an int8 KV cache alone)
         return {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}, src, {}
-    fp32 = work / "fp32"
-    fp32.mkdir()
+    paths = prepare_fp32(src, manifest, work / "fp32")
+    feeds = make_feeds(src, manifest, windows, options.threads)
+    needs_stats = options.smoothquant is not None or options.awq or options.method == "minmax"
+    if stats is None and needs_stats and (options.scheme == "w8a8" or options.awq):
+        with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
+            stats = collect_stats(paths, feeds, bar.update, options.threads)
+    record: dict = {"fallback": list(options.fallback)} if options.fallback else {}
+    if options.scheme != "w8a8":
+        if options.awq:
+            paths, record["awq"] = awq_graphs(paths, stats, options, work / "awq")
+        return weight_only_graphs(paths, options), None, record
+    scales = None
+    if options.smoothquant is not None:
+        paths, record["smoothquant"] = smooth_graphs(paths, feeds, options, work / "smooth", progress,
+                                                     stats.merged_absmax() if stats else None)
+        scales = record["smoothquant"].pop("scales")
+    return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
+
+
+def prepare_fp32(src: Path, manifest: Manifest, out: Path) -> dict[str, Path]:
+    """The source graphs with named nodes and typed MatMul inputs (what the quantizers need)."""
+    from llmx.calibration.matmuls import declare_activation_types, name_nodes
+    from llmx.onnx_files import load_graph, save_graphs
+
+    out.mkdir()
     models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
     for model in models.values():
         name_nodes(model)
         declare_activation_types(model)
-    save_graphs(models, fp32, sources={name: src for name in models})
-    paths = {name: fp32 / f"{name}.onnx" for name in models}
-    if options.scheme != "w8a8":
-        return weight_only_graphs(paths, options), None, {}
+    save_graphs(models, out, sources={name: src for name in models})
+    return {name: out / f"{name}.onnx" for name in models}
+
+
+def make_feeds(src: Path, manifest: Manifest, windows: list[list[int]], threads: int | None):
+    """Calibration inputs of every graph: sentences for an encoder, windows and real KV for a decoder."""
+    from llmx.calibration.feeds import Feeds
+
     if manifest.kind == "encoder":
         from llmx.calibration.encoder import EncoderFeeds
 
-        feeds = EncoderFeeds(windows)  # sentences, for the one `embed` graph
-    else:
-        feeds = Feeds(src, manifest, windows, options.threads)
-    record = {}
-    if options.smoothquant is not None:
-        paths, record["smoothquant"] = smooth_graphs(paths, feeds, options, work / "smooth", progress)
-    return static_graphs(paths, feeds, options, work / "qdq", progress), work / "qdq", record
+        return EncoderFeeds(windows)
+    return Feeds(src, manifest, windows, threads)
 
 
 def weight_only_graphs(paths: dict[str, Path], options: CalibrationOptions) -> dict:
@@ -72,18 +97,37 @@ def weight_only_graphs(paths: dict[str, Path], options: CalibrationOptions) -> d
 
     from llmx.calibration.weight_only import quantize_weights
 
-    return {name: quantize_weights(onnx.load_model(str(path)), options.scheme, options.block_size, options.symmetric)
+    return {name: quantize_weights(onnx.load_model(str(path)), options.scheme, options.block_size, options.symmetric,
+                                   fallback=set(options.fallback))
             for name, path in paths.items()}
 
 
-def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress = silent):
+def awq_graphs(paths: dict[str, Path], stats: ActivationStats, options: CalibrationOptions, out: Path):
+    """AWQ-scale both graphs with one set of scales; returns (new graph paths, what was done)."""
+    from llmx.calibration.awq import awq_scales
+    from llmx.calibration.smoothquant import apply_smoothing
+    from llmx.calibration.weight_only import BITS
+    from llmx.onnx_files import load_graph, save_graphs
+
+    base = next(iter(paths.values())).parent
+    models = {name: load_graph(path) for name, path in paths.items()}
+    scales = awq_scales(models[next(iter(models))], base, stats, options.block_size, BITS[options.scheme])
+    counts = {name: apply_smoothing(model, base, scales) for name, model in models.items()}
+    out.mkdir()
+    save_graphs(models, out, sources={name: base for name in models})
+    return {name: out / f"{name}.onnx" for name in models}, {"groups": len(scales), "per_graph": counts}
+
+
+def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress = silent,
+                  absmax: dict | None = None):
     """SmoothQuant both graphs with one set of scales; returns (new graph paths, what was done)."""
     from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
     from llmx.onnx_files import load_graph, save_graphs
 
-    total = sum(feeds.count(name) for name in paths)
-    with progress("smoothquant statistics", total) as bar:
-        absmax = activation_absmax(paths, feeds, bar.update, options.threads)
+    if absmax is None:
+        total = sum(feeds.count(name) for name in paths)
+        with progress("smoothquant statistics", total) as bar:
+            absmax = activation_absmax(paths, feeds, bar.update, options.threads)
     base = next(iter(paths.values())).parent
     models = {name: load_graph(path) for name, path in paths.items()}
     scales = {}
@@ -93,18 +137,24 @@ def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, ou
     out.mkdir()
     save_graphs(models, out, sources={name: base for name in models})
     return {name: out / f"{name}.onnx" for name in models}, {"alpha": options.smoothquant, "groups": len(scales),
-                                                            "per_graph": counts}
+                                                            "per_graph": counts, "scales": scales}
 
 
-def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress) -> dict:
-    from llmx.calibration.static import collect_ranges, quantize_qdq
+def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress,
+                  stats: ActivationStats | None = None, scales: dict | None = None) -> dict:
+    """Q/DQ graphs; minmax ranges come from ``stats`` (and the smoothing ``scales`` applied to
+    ``paths``) when given: what ORT's calibrator would find, without running the graphs again."""
+    from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
     from llmx.onnx_files import load_graph
 
     out.mkdir()
     for name, path in paths.items():
-        with progress(f"calibrating {name}", feeds.count(name)) as bar:
-            ranges = collect_ranges(path, feeds(name), options.method, bar.update)
-        quantize_qdq(path, out / f"{name}.onnx", ranges, options.method, options.per_channel)
+        if options.method == "minmax" and stats is not None:
+            ranges = minmax_ranges(load_graph(path), stats.absmax[name], scales)
+        else:
+            with progress(f"calibrating {name}", feeds.count(name)) as bar:
+                ranges = collect_ranges(path, feeds(name), options.method, bar.update)
+        quantize_qdq(path, out / f"{name}.onnx", ranges, options.method, options.per_channel, skip=set(options.fallback))
     return {name: load_graph(out / f"{name}.onnx") for name in paths}
 
 

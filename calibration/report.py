@@ -61,6 +61,17 @@ def _mib(n: int) -> str:
 
 
 def format_report(report: dict) -> str:
+    text = _format_quality(report)
+    if "search" in report:
+        from llmx.calibration.search import format_search
+
+        met = "meets" if report["meets_target"] else "MISSES"
+        text += (f"\n{format_search(report['search'])}\n  the artifact {met} the target; "
+                 f"calibration took {report['calibration_seconds']:.0f} s")
+    return text
+
+
+def _format_quality(report: dict) -> str:
     ev, fp, q = report["evaluation"], report["fp32"], report["quantized"]
     scheme = report.get("label") or report["scheme"]
     if report.get("kind") == "encoder":

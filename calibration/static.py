@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
+from collections.abc import Collection
 from typing import Callable, Iterable
 
 import numpy as np
@@ -91,12 +92,16 @@ def collect_ranges(model_path: Path, feeds: Iterable[dict], method: str,
     return ranges
 
 
-def quantize_qdq(model_path: Path, out_path: Path, ranges, method: str, per_channel: bool = True) -> None:
-    """Write the Q/DQ graph for ``model_path`` quantized with ``ranges`` to ``out_path``."""
+def quantize_qdq(model_path: Path, out_path: Path, ranges, method: str, per_channel: bool = True,
+                 skip: Collection[str] = ()) -> None:
+    """Write the Q/DQ graph for ``model_path`` quantized with ``ranges`` to ``out_path``.
+
+    MatMuls whose weight is in ``skip`` stay fp32 (the search's fallback).
+    """
     import onnx
 
     model = onnx.load_model(str(model_path), load_external_data=False)
-    nodes = [mm.node.name for mm in weight_matmuls(model)]
+    nodes = [mm.node.name for mm in weight_matmuls(model) if mm.weight not in skip]
     with quiet_logging():
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
         from onnxruntime.quantization.calibrate import save_tensors_data
@@ -123,6 +128,28 @@ def quantize_qdq(model_path: Path, out_path: Path, ranges, method: str, per_chan
                 "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
             },
         )
+
+
+def minmax_ranges(model, absmax: dict[str, np.ndarray], scales: dict[str, np.ndarray] | None = None):
+    """MinMax ranges (ORT TensorsData) from per-channel statistics, without running the model.
+
+    ``absmax`` is keyed by weight name; ``scales`` are SmoothQuant's per group (X becomes X / s),
+    so every alpha's ranges follow from one statistics pass. Equal to what ORT's symmetric
+    MinMax calibrator finds on the same feeds.
+    """
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+
+    from llmx.calibration.smoothquant import groups
+
+    per_weight = {w: scales[g.key] for g in groups(model) for w in g.weights if g.key in (scales or {})}
+    ranges: dict[str, float] = {}
+    for mm in weight_matmuls(model):
+        if mm.weight not in absmax:
+            continue
+        top = float((absmax[mm.weight] / per_weight.get(mm.weight, 1.0)).max())
+        ranges[mm.activation] = max(ranges.get(mm.activation, 0.0), top)
+    return TensorsData(CalibrationMethod.MinMax, {
+        name: TensorData(lowest=np.array(-top, np.float32), highest=np.array(top, np.float32)) for name, top in ranges.items()})
 
 
 def activation_scales(model, base_dir: Path) -> dict[str, float]:

@@ -6,14 +6,20 @@ and layout onnxruntime-genai builds for its int4 and int8 models. ``accuracy_lev
 CPU kernel multiply in INT8 (activations quantized per block on the fly), which is what makes
 MatMulNBits fast on CPUs; without it 8-bit weights are dequantized to fp32 on every call.
 
-Activations are not calibrated: the data drives only the quality report. Quantized weight
-names follow the fp32 names (``<weight>_Q4``, ``<weight>_scales``), so prefill and decode get
-identical tensors that ``save_graphs`` stores once.
+Per-MatMul precision (the search's fallback, keyed by weight name): under w8 a ``fallback``
+weight keeps INT8 weights but computes at ``accuracy_level`` 0 (no INT8 activations); under w4
+it gets 8-bit instead of 4-bit weights. ``skip`` weights stay fp32 MatMuls.
+
+Activations are not calibrated: the data drives only the quality report (and AWQ's scales,
+applied before this step). Quantized weight names follow the fp32 names (``<weight>_Q4``,
+``<weight>_scales``), so prefill and decode get identical tensors that ``save_graphs`` stores once.
 """
 
 from __future__ import annotations
 
-from llmx.calibration.matmuls import weight_matmuls
+from collections.abc import Collection
+
+from llmx.calibration.matmuls import name_nodes, weight_matmuls
 from llmx.calibration.quiet import quiet_logging
 from llmx.errors import InputError
 
@@ -27,20 +33,42 @@ def check_block_size(block_size: int) -> None:
         raise InputError(f"--block-size must be a power of two, at least 16; got {block_size}")
 
 
-def quantize_weights(model, scheme: str, block_size: int, symmetric: bool):
-    """Replace every weight MatMul of ``model`` (weights loaded) with MatMulNBits; returns the new model."""
+def quantize_weights(model, scheme: str, block_size: int, symmetric: bool, fallback: Collection[str] = (),
+                     skip: Collection[str] = ()):
+    """Replace the weight MatMuls of ``model`` (weights loaded) with MatMulNBits; returns the new model."""
     check_block_size(block_size)
-    nodes = [mm.node.name for mm in weight_matmuls(model)]
+    name_nodes(model)  # the quantizer selects nodes by name; unnamed ones would all match ""
+    matmuls = [mm for mm in weight_matmuls(model) if mm.weight not in skip]
+    held = [mm.node.name for mm in matmuls if mm.weight in fallback]
+    rest = [mm.node.name for mm in matmuls if mm.weight not in fallback]
+    if scheme == "w4":
+        model = _nbits(model, 8, held, block_size, symmetric)
+        return _nbits(model, 4, rest, block_size, symmetric)
+    model = _nbits(model, 8, held + rest, block_size, symmetric)
+    exact = {f"{w}_Q8" for w in fallback}
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and node.input[1] in exact:
+            for attr in [a for a in node.attribute if a.name == "accuracy_level"]:
+                node.attribute.remove(attr)  # level 0: fp32 compute, the attribute's default
+    return model
+
+
+def _nbits(model, bits: int, nodes: list[str], block_size: int, symmetric: bool):
+    if not nodes:
+        return model
+    # The quantizer takes a node if it is included *or* of a quantized op type, so a selection
+    # is made by excluding every other MatMul.
+    others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
     with quiet_logging():
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         quantizer = MatMulNBitsQuantizer(
             model,
-            bits=BITS[scheme],
+            bits=bits,
             block_size=block_size,
             is_symmetric=symmetric,
             accuracy_level=CPU_ACCURACY_LEVEL,
-            nodes_to_include=nodes,
+            nodes_to_exclude=others,
             op_types_to_quantize=("MatMul",),
         )
         quantizer.process()

@@ -110,8 +110,8 @@ def test_broken_quantization_is_reported_as_a_large_perplexity_increase(broken, 
 
     real = pipeline.quantize_graphs
 
-    def absurd_scales(src, manifest, windows, options, work, progress):
-        models, weights_dir, record = real(src, manifest, windows, options, work, progress)
+    def absurd_scales(src, manifest, windows, options, work, progress, stats=None):
+        models, weights_dir, record = real(src, manifest, windows, options, work, progress, stats)
         for model in [models[broken]]:
             for name, init in initializers(model).items():
                 if name.endswith(".weight_scale"):  # per-channel weight scales of the Q/DQ graph

@@ -94,16 +94,19 @@ def int8_artifact(minilm_artifact, tmp_path_factory):
     root = tmp_path_factory.mktemp("emb-int8")
     (root / "calib.txt").write_text("\n".join(docstring_sentences()) + "\n")
     (root / "eval.txt").write_text("\n".join(s for s in SENTENCES if s) + "\n")
-    # SmoothQuant at 0.8: this post-norm BERT's activation outliers need most of the scale moved
-    # into the weights (measured: cosine mean 0.978 without, 0.943 at alpha 0.5, 0.998 at 0.8).
-    options = CalibrationOptions(scheme="w8a8", method="minmax", smoothquant=0.8, samples=128, eval_samples=64, threads=1)
+    # The default search (what `--scheme w8a8` alone does): this post-norm BERT's activation outliers
+    # need most of the scale moved into the weights, and the search finds minmax + SmoothQuant 0.8
+    # (measured: cosine mean 0.974 without smoothing, 0.931 at alpha 0.5, 0.996 at 0.8).
+    from llmx.calibration.search import SearchSpace
+
+    options = CalibrationOptions(scheme="w8a8", search=SearchSpace(), samples=128, eval_samples=64, threads=1)
     calibrate_artifact(minilm_artifact, root / "int8", root / "calib.txt", options, eval_data=root / "eval.txt")
     return root / "int8"
 
 
 def test_int8_embeddings_stay_close_and_keep_the_ranking(minilm_artifact, int8_artifact):
     report = json.loads((int8_artifact / "quality.json").read_text())
-    assert report["kind"] == "encoder" and report["inputs"] == 49
+    assert report["kind"] == "encoder" and report["inputs"] == 49 and report["meets_target"]
     assert report["cosine_mean"] >= 0.99 and report["cosine_min"] >= 0.98, report
     assert report["quantized"]["graph_bytes"]["embed"] < 0.7 * report["fp32"]["graph_bytes"]["embed"]
     texts = [s for s in SENTENCES if s]

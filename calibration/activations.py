@@ -1,0 +1,82 @@
+"""Activation statistics of every weight MatMul's input, collected in one pass over the data.
+
+The search tries many configurations; all of them are derived from these numbers instead of
+rerunning the fp32 model:
+
+    absmax[graph][weight]   per-input-channel max |X|   SmoothQuant scales, minmax ranges
+    mean_abs[weight]        per-input-channel mean |X|  AWQ's activation-aware scales
+    rows[weight]            a sample of X's rows         AWQ's output-error search
+
+Keyed by weight name, the one name prefill and decode share for a MatMul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from llmx.calibration.smoothquant import groups
+
+SAMPLE_ROWS = 256  # rows of X kept per MatMul input (AWQ's search: enough to rank a few scales)
+
+
+@dataclass
+class ActivationStats:
+    absmax: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # graph -> weight -> [in]
+    abs_sum: dict[str, np.ndarray] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def merged_absmax(self) -> dict[str, np.ndarray]:
+        """Max over all graphs: what one set of smoothing scales for both graphs must cover."""
+        out: dict[str, np.ndarray] = {}
+        for per_graph in self.absmax.values():
+            for weight, value in per_graph.items():
+                out[weight] = np.maximum(out[weight], value) if weight in out else value
+        return out
+
+    def mean_abs(self, weight: str) -> np.ndarray:
+        return self.abs_sum[weight] / max(1, self.count[weight])
+
+    def add(self, graph: str, weights: list[str], value: np.ndarray, rng: np.random.Generator) -> None:
+        flat = value.reshape(-1, value.shape[-1]).astype(np.float32)
+        channel_max = np.abs(flat).max(0)
+        table = self.absmax.setdefault(graph, {})
+        for weight in weights:
+            table[weight] = np.maximum(table[weight], channel_max) if weight in table else channel_max
+            self.abs_sum[weight] = self.abs_sum.get(weight, 0) + np.abs(flat).sum(0, dtype=np.float64)
+            self.count[weight] = self.count.get(weight, 0) + len(flat)
+            kept = self.rows.get(weight)
+            if kept is None or len(kept) < SAMPLE_ROWS:
+                take = flat[rng.choice(len(flat), min(len(flat), SAMPLE_ROWS), replace=False)]
+                self.rows[weight] = take if kept is None else np.concatenate([kept, take])[:SAMPLE_ROWS]
+
+
+def collect_stats(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
+                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None) -> ActivationStats:
+    """Run each fp32 graph once over its feeds, watching the inputs of its weight MatMuls."""
+    import onnx
+    import onnxruntime as ort
+
+    from llmx.runtime.onnx_backend import session_options
+
+    stats, rng = ActivationStats(), np.random.default_rng(0)
+    for graph, path in graph_paths.items():
+        model = onnx.load_model(str(path), load_external_data=False)
+        watched = {g.activation: g.weights for g in groups(model)}
+        outputs = {o.name for o in model.graph.output}
+        model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(a) for a in watched if a not in outputs)
+        augmented = path.with_name(f"{path.stem}.stats.onnx")  # beside weights.bin, which it references
+        onnx.save_model(model, str(augmented))
+        session = ort.InferenceSession(str(augmented), session_options(threads), providers=["CPUExecutionProvider"])
+        names = list(watched)
+        for feed in feeds(graph):
+            for name, value in zip(names, session.run(names, feed)):
+                stats.add(graph, watched[name], value, rng)
+            progress(1)
+        del session
+        augmented.unlink()
+    return stats

@@ -1,0 +1,61 @@
+"""AWQ-style int4 recovery (Lin et al., 2024): scale salient input channels up before rounding.
+
+For Y = X W quantized to 4 bits in blocks along the input axis, channels where |X| is large
+matter most. With s_j = mean|X_j|^a (normalized), Y = (X / s)(diag(s) W): rounding diag(s) W
+gives those rows finer steps. a is searched per MatMul group on a sample of calibration rows,
+minimizing ||X W - (X / s) Q(diag(s) W)||; a = 0 (s = 1, plain rounding) is in the grid, so a
+group never gets worse on the sample. 1/s folds into the norm before the group, or becomes a
+Mul, exactly as SmoothQuant's scales do (``smoothquant.apply_smoothing``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from llmx.calibration.activations import ActivationStats
+from llmx.calibration.matmuls import initializers, read_array
+from llmx.calibration.smoothquant import groups
+
+GRID = np.linspace(0.0, 1.0, 11)
+
+
+def fake_quantize(w: np.ndarray, bits: int, block_size: int) -> np.ndarray:
+    """Symmetric round-to-nearest in blocks of ``block_size`` input rows of w [in, out], dequantized."""
+    rows, cols = w.shape
+    pad = -rows % block_size
+    blocks = np.pad(w, ((0, pad), (0, 0))).reshape(-1, block_size, cols)
+    top = 2 ** (bits - 1) - 1
+    scale = np.abs(blocks).max(1, keepdims=True) / top
+    scale[scale == 0] = 1.0
+    q = np.clip(np.round(blocks / scale), -top - 1, top) * scale
+    return q.reshape(-1, cols)[:rows]
+
+
+def awq_scales(model, base_dir: Path, stats: ActivationStats, block_size: int, bits: int = 4) -> dict[str, np.ndarray]:
+    """s per MatMul group (keyed like SmoothQuant's), the best of GRID on each group's sample rows."""
+    inits = initializers(model)
+    scales = {}
+    for group in groups(model):
+        if group.key not in stats.rows:
+            continue
+        x = stats.rows[group.key].astype(np.float32)
+        w = np.concatenate([read_array(inits[name], base_dir) for name in group.weights], axis=1).astype(np.float32)
+        s = best_scale(x, w, stats.mean_abs(group.key), block_size, bits)
+        if s is not None:
+            scales[group.key] = s
+    return scales
+
+
+def best_scale(x: np.ndarray, w: np.ndarray, mean_abs: np.ndarray, block_size: int, bits: int) -> np.ndarray | None:
+    reference = x @ w
+    best, best_error = None, float(((x @ fake_quantize(w, bits, block_size) - reference) ** 2).mean())
+    salience = np.maximum(mean_abs, 1e-8)
+    for alpha in GRID[1:]:
+        s = salience ** alpha
+        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+        error = float((((x / s) @ fake_quantize(w * s[:, None], bits, block_size) - reference) ** 2).mean())
+        if error < best_error:
+            best, best_error = np.clip(s, 1e-4, 1e4).astype(np.float32), error
+    return best

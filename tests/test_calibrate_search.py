@@ -1,0 +1,214 @@
+"""The accuracy-aware search of ``llmx calibrate``: it falls back on exactly the MatMuls that carry
+planted activation outliers, refuses a target it cannot reach, and its flags fix its dimensions."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from llmx.calibration import CalibrationOptions, calibrate_artifact
+from llmx.calibration.search import SearchSpace
+from llmx.manifest import load_manifest
+from outliers import plant_outliers
+from test_cli import error_line, leftovers, run
+
+SMALL = dict(samples=4, seq_len=64, eval_samples=6, threads=1)
+PLANTED_LAYERS = (1, 4)
+
+
+@pytest.fixture(scope="module")
+def stdlib_text(tmp_path_factory) -> tuple[Path, Path]:
+    """Calibration text from the demo model's training modules, held-out text from modules it never saw."""
+    import functools
+    import shutil
+    import string
+
+    root = tmp_path_factory.mktemp("search-data")
+    calib, held_out = root / "calib", root / "heldout"
+    calib.mkdir(), held_out.mkdir()
+    for module in (shutil, string):
+        (calib / f"{module.__name__}.py").write_text(inspect.getsource(module))
+    for module in (argparse, functools):
+        (held_out / f"{module.__name__}.py").write_text(inspect.getsource(module))
+    return calib, held_out
+
+
+@pytest.fixture(scope="module")
+def planted(demo_artifact, tmp_path_factory) -> tuple[Path, list[str]]:
+    out = tmp_path_factory.mktemp("planted") / "art"
+    return out, plant_outliers(demo_artifact, out, PLANTED_LAYERS, factor=80)
+
+
+def decode_logits(artifact: Path, window: list[int]) -> np.ndarray:
+    from llmx.calibration.judge import DecoderJudge
+
+    judge = DecoderJudge(artifact / "decode.onnx", load_manifest(artifact), [window], threads=1)
+    return judge.reference[0]
+
+
+def test_planted_outliers_leave_the_fp32_function_unchanged(planted, demo_artifact):
+    art, weights = planted
+    assert weights == [f"model.layers.{i}.attn.qkv.weight" for i in PLANTED_LAYERS]
+    window = list(range(5, 69))
+    np.testing.assert_allclose(decode_logits(art, window), decode_logits(demo_artifact, window), atol=2e-3)
+
+
+def test_search_falls_back_on_exactly_the_planted_outlier_matmuls(planted, stdlib_text, tmp_path):
+    """Static per-tensor INT8 without smoothing collapses on the loud channels; the sensitivity pass
+    finds the two MatMuls that read them, and keeping those two in fp32 is what meets the target."""
+    art, weights = planted
+    calib, held_out = stdlib_text
+    space = SearchSpace(target=1.01, methods=("minmax",), alphas=(None,))
+    options = CalibrationOptions(scheme="w8a8", search=space, **SMALL)
+    manifest = calibrate_artifact(art, tmp_path / "q", calib, options, eval_data=held_out)
+    report = manifest.extras["quality"]
+    search = report["search"]
+    recipe, *fallbacks = search["candidates"]
+    assert recipe["fallback"] == [] and not recipe["meets"] and recipe["perplexity_ratio"] > 1.01
+    ranked = sorted(search["sensitivity"], key=search["sensitivity"].get, reverse=True)
+    assert sorted(ranked[:2]) == weights and len(ranked) == 25  # 4 MatMuls x 6 layers + lm_head
+    chosen = search["candidates"][search["chosen"]]
+    assert sorted(chosen["fallback"]) == weights and chosen["meets"]
+    assert all(not r["meets"] for r in fallbacks if len(r["fallback"]) < 2)  # one fallback is not enough
+    assert sorted(manifest.precision.fallback) == weights
+    assert report["meets_target"] and report["perplexity_ratio"] <= 1.01
+    for graph in ("prefill", "decode"):  # those two MatMuls read fp32 inputs and fp32 weights
+        model = onnx.load_model(str(tmp_path / "q" / f"{graph}.onnx"), load_external_data=False)
+        inits = {i.name: i for i in model.graph.initializer}
+        matmuls = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+        assert sorted(n.input[1] for n in matmuls) == weights
+        assert all(inits[n.input[1]].data_type == onnx.TensorProto.FLOAT for n in matmuls)
+
+
+def test_default_search_meets_w8a8_on_planted_outliers(planted, stdlib_text, tmp_path):
+    """With no flags beyond the scheme, SmoothQuant in the recipe grid undoes the planted outliers."""
+    art, _ = planted
+    calib, held_out = stdlib_text
+    options = CalibrationOptions(scheme="w8a8", search=SearchSpace(), **SMALL)
+    report = calibrate_artifact(art, tmp_path / "q", calib, options, eval_data=held_out).extras["quality"]
+    assert report["meets_target"] and report["perplexity_ratio"] <= 1.02
+    chosen = report["search"]["candidates"][report["search"]["chosen"]]
+    assert chosen["smoothquant"] is not None and chosen["fallback"] == []
+    assert report["options"]["smoothquant"] == chosen["smoothquant"]
+    assert report["calibration_seconds"] > 0 and report["search"]["seconds"]["search"] > 0
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(inspect.getsource(argparse))
+    return path
+
+
+def test_unreachable_target_is_refused_with_the_best_found(store, calib_text, tmp_path, capsys):
+    args = ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--scheme", "w8", "--samples", "2",
+            "--seq-len", "32", "--eval-samples", "2", "--threads", "1", "--target", "0.5", "--no-fallback"]
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    code, out, err = run([*args, "-o", str(out_parent / "a")], capsys)
+    assert code == 1 and "no configuration meets the target (perplexity ratio <= 0.5)" in error_line(err)
+    assert "the best found, rtn, measures perplexity x" in error_line(err)
+    assert "recipe   rtn" in err and out == "" and leftovers(out_parent) == []
+    code, out, err = run([*args, "-o", str(out_parent / "b"), "--force"], capsys)  # kept, and the report says so
+    assert code == 0, err
+    report = json.loads((out_parent / "b" / "quality.json").read_text())
+    assert report["meets_target"] is False and report["search"]["met"] is False
+    assert "the artifact MISSES the target" in out
+
+
+def test_recipes_are_tried_cheapest_first(store, calib_text, tmp_path):
+    """minmax recipes (ranges straight from the statistics) first; percentile only when none meets."""
+    options = dict(scheme="w8a8", samples=2, seq_len=32, eval_samples=2, threads=1)
+    easy = calibrate_artifact(store.artifact("llama"), tmp_path / "easy", calib_text,
+                              CalibrationOptions(**options, search=SearchSpace(target=1.5, alphas=(None,), fallback=False)))
+    assert [r["method"] for r in easy.extras["quality"]["search"]["candidates"]] == ["minmax"]
+    hard = calibrate_artifact(store.artifact("llama"), tmp_path / "hard", calib_text,
+                              CalibrationOptions(**options, search=SearchSpace(target=0.5, alphas=(None,), fallback=False)),
+                              force=True)
+    assert [r["method"] for r in hard.extras["quality"]["search"]["candidates"]] == ["minmax", "percentile"]
+
+
+def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
+    base = ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--scheme", "w8a8", "--samples", "2",
+            "--seq-len", "32", "--eval-samples", "2", "--threads", "1", "--target", "1.5", "--json"]
+    code, out, err = run([*base, "--method", "minmax", "--smoothquant", "off", "-o", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    search = json.loads(out)["search"]
+    assert [(r["method"], r["smoothquant"]) for r in search["candidates"]] == [("minmax", None)]
+    code, out, err = run([*base, "--method", "percentile", "-o", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    recipes = [(r["method"], r["smoothquant"]) for r in json.loads(out)["search"]["candidates"]]
+    assert recipes == [("percentile", None), ("percentile", 0.5), ("percentile", 0.8)]
+    code, out, err = run([*base[:-3], "--json", "--no-search", "-o", str(tmp_path / "c")], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert "search" not in report and report["options"]["method"] == "percentile"
+    code, _, err = run([*base, "--no-search", "-o", str(tmp_path / "d")], capsys)
+    assert code == 2 and "--target needs the search" in error_line(err)
+
+
+# -- the building blocks ---------------------------------------------------------------------
+
+def test_minmax_ranges_from_statistics_equal_the_ort_calibrator(store, calib_text, tmp_path):
+    """The search derives minmax ranges from one statistics pass; they are what ORT's MinMax finds."""
+    from llmx.calibration.activations import collect_stats
+    from llmx.calibration.data import read_text_data, token_windows
+    from llmx.calibration.pipeline import make_feeds, prepare_fp32
+    from llmx.calibration.static import collect_ranges, minmax_ranges
+    from llmx.runtime.tokenizer import Tokenizer
+
+    src = store.artifact("llama")
+    manifest = load_manifest(src)
+    windows = token_windows(Tokenizer(src, manifest), read_text_data(calib_text), 32)[:3]
+    paths = prepare_fp32(src, manifest, tmp_path / "fp32")
+    feeds = make_feeds(src, manifest, windows, 1)
+    stats = collect_stats(paths, feeds, threads=1)
+    for graph, path in paths.items():
+        ours = minmax_ranges(onnx.load_model(str(path), load_external_data=False), stats.absmax[graph])
+        theirs = collect_ranges(path, feeds(graph), "minmax")
+        assert set(ours.keys()) == set(theirs.keys()) and len(ours.keys()) == 9
+        for name in ours.keys():
+            np.testing.assert_allclose(ours[name].range_value[1], theirs[name].range_value[1], rtol=1e-6)
+
+
+def test_awq_scale_beats_rounding_when_a_few_channels_are_salient():
+    from llmx.calibration.awq import best_scale, fake_quantize
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 128)).astype(np.float32)
+    x[:, :4] *= 30  # salient input channels
+    w = rng.normal(size=(128, 64)).astype(np.float32)
+    s = best_scale(x, w, np.abs(x).mean(0), block_size=32, bits=4)
+    assert s is not None and s[:4].min() > np.median(s)  # salient rows scaled up
+    rtn = ((x @ fake_quantize(w, 4, 32) - x @ w) ** 2).mean()
+    awq = (((x / s) @ fake_quantize(w * s[:, None], 4, 32) - x @ w) ** 2).mean()
+    assert awq < 0.8 * rtn
+    flat = np.ones((256, 128), np.float32)  # no salience: plain rounding is kept
+    assert best_scale(flat, w, np.ones(128), 32, 4) is None
+
+
+@pytest.mark.parametrize("scheme", ["w8", "w4"])
+def test_weight_only_fallback_precision(scheme, store):
+    """w8 fallback: INT8 weights at accuracy level 0; w4 fallback: 8-bit weights; skip: fp32."""
+    from llmx.calibration.matmuls import weight_matmuls
+    from llmx.calibration.weight_only import quantize_weights
+
+    model = onnx.load_model(str(store.artifact("llama") / "decode.onnx"))
+    weights = [mm.weight for mm in weight_matmuls(model)]
+    held, skipped = weights[0], weights[1]
+    out = quantize_weights(model, scheme, 32, True, fallback={held}, skip={skipped})
+    nodes = {n.input[1].rsplit("_Q", 1)[0]: n for n in out.graph.node if n.op_type == "MatMulNBits"}
+    assert set(nodes) == set(weights) - {skipped}
+    level = {w: {a.name: a.i for a in n.attribute}.get("accuracy_level", 0) for w, n in nodes.items()}
+    bits = {w: {a.name: a.i for a in n.attribute}["bits"] for w, n in nodes.items()}
+    if scheme == "w8":
+        assert level[held] == 0 and all(level[w] == 4 for w in nodes if w != held) and set(bits.values()) == {8}
+    else:
+        assert bits[held] == 8 and all(bits[w] == 4 for w in nodes if w != held)
+    assert any(n.op_type == "MatMul" and n.input[1] == skipped for n in out.graph.node)
