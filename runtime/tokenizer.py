@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from llmx.errors import ArtifactError
+from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest
 
 _REPLACEMENT = "\ufffd"
@@ -42,7 +42,13 @@ class Tokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # lone surrogates (JSON "\ud800", undecodable argv bytes) are not text
+            text.encode("utf-8")  # the UnicodeEncodeError says where
+            raise
+        except UnicodeEncodeError as exc:
+            raise InputError(f"text is not valid Unicode (a lone surrogate at character {exc.start})") from None
 
     def truncate_to(self, max_tokens: int) -> None:
         """Truncate every encoding to ``max_tokens``, keeping special tokens ([CLS] ... [SEP])."""

@@ -12,6 +12,8 @@ the ones Flask raises itself (404, 405, 413 body too large), is OpenAI-shaped JS
 from __future__ import annotations
 
 import logging
+import select
+import socket
 
 from llmx.errors import require
 from llmx.serve.errors import ApiError, from_status
@@ -67,11 +69,11 @@ def _routes(app, flask, service: Service) -> None:
 
     @app.post("/v1/completions")
     def completions():
-        return answer(service.generate(request.get_data(cache=False), chat=False))
+        return answer(service.generate(request.get_data(cache=False), chat=False, client_gone=client_gone(request.environ)))
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        return answer(service.generate(request.get_data(cache=False), chat=True))
+        return answer(service.generate(request.get_data(cache=False), chat=True, client_gone=client_gone(request.environ)))
 
     @app.post("/v1/embeddings")
     def embeddings():
@@ -93,3 +95,22 @@ def _routes(app, flask, service: Service) -> None:
     def prometheus():
         body, content_type = service.metrics.render()
         return flask.Response(body, content_type=content_type)
+
+
+def client_gone(environ: dict):
+    """A check that the client has closed its connection, from the socket the WSGI server
+    exposes (werkzeug's and gunicorn's do); None where there is none to look at."""
+    sock = environ.get("werkzeug.socket") or environ.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def gone() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""  # readable with no data: EOF
+        except (ConnectionError, OSError):
+            return True
+        except ValueError:  # a TLS socket refuses MSG_PEEK: cannot tell, assume present
+            return False
+
+    return gone

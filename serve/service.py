@@ -14,7 +14,7 @@ import os
 import queue
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from llmx.errors import InputError
 from llmx.runtime.sequence import Sequence
@@ -28,6 +28,7 @@ RETRY_AFTER_S = 1
 API_KEY_ENV = "LLMX_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_PREFIX_CACHE_MB = 256
+CLIENT_CHECK_S = 0.25  # how often a whole answer's wait looks whether its client is still there
 
 
 def build_service(artifact: str | Path | None = None, *, engine=None, model_name: str | None = None,
@@ -149,7 +150,7 @@ class BaseService:
         return ApiError(400, f"model '{self.model_name}' ({self.kind}) does not serve {endpoint}; "
                              f"it serves {', '.join(self.endpoints)}", code="unsupported_endpoint")
 
-    def generate(self, raw: bytes, chat: bool):
+    def generate(self, raw: bytes, chat: bool, client_gone: Callable[[], bool] | None = None):
         raise self.wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
 
     def embed(self, raw: bytes):
@@ -179,8 +180,9 @@ class Service(BaseService):
     def max_model_len(self) -> int | None:
         return self.scheduler.engine.max_seq_len if self.scheduler.engine is not None else None
 
-    def generate(self, raw: bytes, chat: bool) -> dict | "EventStream":
-        """A completion: the whole answer as a dict, or an EventStream of SSE text."""
+    def generate(self, raw: bytes, chat: bool, client_gone: Callable[[], bool] | None = None) -> dict | "EventStream":
+        """A completion: the whole answer as a dict, or an EventStream of SSE text. ``client_gone``
+        tells a whole answer's wait that nobody will read it (a stream learns that on its own)."""
         self.check_size(raw)
         engine = self.engine()
         job = parse_job(raw, chat, engine, self.model_name)
@@ -199,14 +201,19 @@ class Service(BaseService):
         responder = Responder(job, self.model_name)
         if job.stream:
             return EventStream(self, ticket, job, responder)
-        return responder.response(self._collect(ticket, len(seqs)))
+        return responder.response(self._collect(ticket, len(seqs), client_gone))
 
-    def _collect(self, ticket: Ticket, k: int) -> list[ChoiceResult]:
+    def _collect(self, ticket: Ticket, k: int, client_gone: Callable[[], bool] | None) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in range(k)]
-        pending = k
+        pending, checked = k, time.monotonic()
         while pending:
+            if client_gone is not None and time.monotonic() - checked > CLIENT_CHECK_S:
+                checked = time.monotonic()
+                if client_gone():
+                    self.scheduler.cancel(ticket)
+                    raise ApiError(499, "the client closed the connection", code="client_closed_request")
             try:
-                u = ticket.updates.get(timeout=1.0)
+                u = ticket.updates.get(timeout=CLIENT_CHECK_S)
             except queue.Empty:
                 if not self.scheduler.alive:
                     raise ApiError(503, "the engine stopped", code="engine_stopped") from None
