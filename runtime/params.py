@@ -34,6 +34,8 @@ class ParamError(InputError):
 def shown(value: Any) -> str:
     try:
         return json.dumps(value)[:80]
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply"
     except (TypeError, ValueError):
         return repr(value)[:80]
 

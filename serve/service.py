@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import os
 import queue
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -162,6 +163,37 @@ class Service(BaseService):
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         super().__init__(scheduler, model_name, api_key, keepalive_s, max_body_bytes)
         self.scheduler = scheduler
+        self.draining = threading.Event()  # set on SIGTERM: admit nothing new
+        self._inflight = 0  # generation answers not yet fully sent (guarded by _lock)
+        self._lock = threading.Lock()
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> bool:
+        """Graceful shutdown: refuse new requests (503, /ready false), end queued ones with a clean
+        error, let running ones finish for up to ``timeout`` s, end the rest, and wait until every
+        answer has been sent. True when nothing had to be cut."""
+        self.draining.set()
+        self.scheduler.shed("the server is shutting down; retry on another instance")
+        deadline = time.monotonic() + timeout
+        while self.scheduler.counts() != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        clean = self.scheduler.counts() == (0, 0)
+        if not clean:
+            self.scheduler.shed(f"the server is shutting down (drain timeout {timeout:g} s)", running=True)
+        last_words = time.monotonic() + max(self.keepalive_s, 2.0)  # handlers write their final events
+        while self.inflight and time.monotonic() < last_words:
+            time.sleep(0.05)
+        return clean
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return self._inflight
+
+    def _opened(self, delta: int) -> None:
+        with self._lock:
+            self._inflight += delta
 
     # -- checks --------------------------------------------------------------------------------
 
@@ -169,11 +201,17 @@ class Service(BaseService):
         self.check_loaded()
         return self.scheduler.engine
 
+    def check_admitting(self) -> None:
+        if self.draining.is_set():
+            raise ApiError(503, "the server is shutting down; retry on another instance", code="server_shutting_down",
+                           retry_after=RETRY_AFTER_S)
+
     # -- endpoints -----------------------------------------------------------------------------
 
     def ready(self) -> dict:
         """/ready: 200 once the model is loaded and the scheduler runs, else a 503 ApiError."""
         self.engine()
+        self.check_admitting()
         running, waiting = self.scheduler.counts()
         return {"status": "ready", "model": self.model_name, "running": running, "waiting": waiting}
 
@@ -184,6 +222,7 @@ class Service(BaseService):
         """A completion: the whole answer as a dict, or an EventStream of SSE text. ``client_gone``
         tells a whole answer's wait that nobody will read it (a stream learns that on its own)."""
         self.check_size(raw)
+        self.check_admitting()
         engine = self.engine()
         job = parse_job(raw, chat, engine, self.model_name)
         seqs = [Sequence(job.prompts[i // job.n], p, engine.tokenizer, engine.max_seq_len) for i, p in enumerate(job.params)]
@@ -199,9 +238,13 @@ class Service(BaseService):
             raise ApiError(429, f"server is busy ({exc}); retry later", code="queue_full",
                            retry_after=RETRY_AFTER_S) from None
         responder = Responder(job, self.model_name)
+        self._opened(+1)
         if job.stream:
             return EventStream(self, ticket, job, responder)
-        return responder.response(self._collect(ticket, len(seqs), client_gone))
+        try:
+            return responder.response(self._collect(ticket, len(seqs), client_gone))
+        finally:
+            self._opened(-1)
 
     def _collect(self, ticket: Ticket, k: int, client_gone: Callable[[], bool] | None) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in range(k)]
@@ -219,7 +262,8 @@ class Service(BaseService):
                     raise ApiError(503, "the engine stopped", code="engine_stopped") from None
                 continue
             if isinstance(u, Failure):
-                raise ApiError(500, u.message, code="generation_failed")
+                code = "server_shutting_down" if u.status == 503 else "generation_failed"
+                raise ApiError(u.status, u.message, code=code, retry_after=RETRY_AFTER_S if u.status == 503 else None)
             results[u.index].add(u)
             pending -= u.finish_reason is not None
         return results
@@ -235,6 +279,7 @@ class EventStream:
     def __init__(self, service: Service, ticket: Ticket, job: Job, responder: Responder):
         self.service, self.ticket, self.job, self.responder = service, ticket, job, responder
         self.complete = False
+        self._closed = False
         self._events = self._generate()
 
     def __iter__(self) -> Iterator[str]:
@@ -244,6 +289,9 @@ class EventStream:
         return next(self._events)
 
     def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.service._opened(-1)
         if not self.complete:
             self.service.scheduler.cancel(self.ticket)
         try:
@@ -267,7 +315,9 @@ class EventStream:
                     continue
             if isinstance(u, Failure):
                 self.complete = True
-                yield sse({"error": {"message": u.message, "type": "server_error", "param": None, "code": "generation_failed"}})
+                code = "server_shutting_down" if u.status == 503 else "generation_failed"
+                yield sse({"error": {"message": u.message, "type": "server_error", "param": None, "code": code}})
+                yield sse("[DONE]")  # the stream ends cleanly: clients tell this from a dropped connection
                 return
             tokens[u.index], cached[u.index] = u.tokens, u.cached_tokens
             if u.text or u.logprobs:

@@ -121,3 +121,61 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_goes_away(llama_art
             time.sleep(0.02)
         assert live.scheduler.counts() == (0, 0)
         assert live.metric("llmx_cancelled_sequences_total") >= 1
+
+
+@pytest.fixture(scope="module")
+def small_server(llama_artifact):
+    """A small body limit, a short HTTP timeout and few connections, to reach each bound fast."""
+    with LiveServer(engine=slow_engine(llama_artifact, 0), max_body_bytes=4096, timeout=1.0, max_connections=4) as live:
+        yield live
+
+
+def test_a_body_over_the_limit_is_413_even_when_chunked(small_server):
+    body = b'{"prompt": "' + b"x" * 8000 + b'", "max_tokens": 2}'
+    chunked = requests.post(small_server.url + "/v1/completions", data=iter([body[:100], body[100:]]),
+                            headers={"Content-Type": "application/json"}, timeout=10)
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "request_too_large"
+    sized = requests.post(small_server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"},
+                          timeout=10)
+    assert sized.status_code == 413
+    fits = b'{"prompt": "def", "max_tokens": 2}'
+    ok = requests.post(small_server.url + "/v1/completions", data=iter([fits[:5], fits[5:]]),
+                       headers={"Content-Type": "application/json"}, timeout=10)
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_that_is_not_declared_json_is_415(small_server, content_type):
+    # What a cross-site form or fetch without preflight can send: refused, so no page can spend our compute.
+    headers = {"Content-Type": content_type} if content_type else {}
+    answer = requests.post(small_server.url + "/v1/completions", data=b'{"prompt": "def", "max_tokens": 2}',
+                           headers=headers, timeout=10)
+    assert answer.status_code == 415 and answer.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_silent_and_slow_connections_time_out_and_connections_are_bounded(small_server):
+    url, port = small_server.url, small_server.server.server_port
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    idle[0].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # half-sent headers
+    time.sleep(0.2)
+    with socket.create_connection(("127.0.0.1", port)) as extra:  # a fifth: refused, not a fifth thread
+        extra.settimeout(5)
+        assert extra.recv(200).startswith(b"HTTP/1.1 503")
+    for sock in idle:  # the server closes each within its 1 s timeout
+        sock.settimeout(5)
+        assert sock.recv(100) == b""
+        sock.close()
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    start, answer = time.monotonic(), b""
+    try:
+        for _ in range(40):  # a byte every 0.2 s: each read is in time, the whole body is not
+            slow.sendall(b" ")
+            time.sleep(0.2)
+    except OSError:
+        pass
+    slow.settimeout(5)
+    answer = slow.recv(200)
+    slow.close()
+    assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 5
+    assert requests.post(url + "/v1/completions", json={"prompt": "def", "max_tokens": 2}, timeout=10).status_code == 200
