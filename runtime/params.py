@@ -113,3 +113,34 @@ def check_sampling(values: dict[str, Any]) -> None:
     for name, value in values.items():
         if name in SAMPLING and value is not None:
             SAMPLING[name](value, name)
+
+
+# Beam search is deterministic and scores with the model's own log-probabilities: these fields
+# are accepted only at values that change nothing (temperature 0 is greedy, 1 the model's own
+# distribution; either is what beam search does). seed is accepted and has no effect.
+NOT_FOR_BEAMS: dict[str, tuple] = {
+    "temperature": (0.0, 1.0), "top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "typical_p": (1.0,),
+    "repetition_penalty": (1.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],),
+    "logprobs": (None,),
+}
+
+
+def check_beam_compatible(values: dict[str, Any]) -> None:
+    """Raise ParamError on the first sampling field beam search cannot honour."""
+    for name, neutral in NOT_FOR_BEAMS.items():
+        value = list(values[name]) if name == "stop" and values.get(name) is not None else values.get(name, neutral[0])
+        if value not in neutral:
+            allowed = " or ".join(shown(v) for v in neutral)
+            raise ParamError(f"'{name}' is not supported with beam search (it is deterministic and scores with the "
+                             f"model's own log-probabilities): leave it out or set it to {allowed}", name)
+
+
+def prompt_room(prompt_tokens: int, max_len: int, name: str = "prompt") -> int:
+    """How many tokens may follow a prompt: at least one, or a ParamError that says so."""
+    if prompt_tokens == 0:
+        raise ParamError(f"'{name}' is empty (it encodes to no tokens)", name)
+    if prompt_tokens >= max_len:
+        raise ParamError(f"the prompt has {prompt_tokens} tokens, but this model's maximum context length is {max_len} "
+                         f"tokens and it must leave room for at least one new token: shorten it to at most "
+                         f"{max_len - 1} tokens", name)
+    return max_len - prompt_tokens

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from llmx.errors import InputError
 from llmx.runtime.beam import BeamParams
 from llmx.runtime.chat import render_chat
-from llmx.runtime.params import MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Checker, ParamError, integer, invalid, text
+from llmx.runtime.params import MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Checker, ParamError, check_beam_compatible, integer, invalid, prompt_room, text
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
 
@@ -231,12 +231,6 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam)
 
 
-# Fields beam search cannot honour (it is deterministic and scores with the model's own logprobs),
-# with their no-op values. temperature and seed are accepted and do not apply.
-NOT_FOR_BEAMS = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "typical_p": (1.0,), "repetition_penalty": (1.0,),
-                 "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],)}
-
-
 def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -> list[BeamParams] | None:
     """BeamParams per prompt for use_beam_search (width best_of, else n; the n best are returned)."""
     if not f["use_beam_search"]:
@@ -244,11 +238,10 @@ def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -
             if f[name] is not None:
                 raise bad_request(f"'{name}' applies to beam search: set use_beam_search", param=name)
         return None
-    for name, neutral in NOT_FOR_BEAMS.items():
-        if f[name] not in neutral:
-            raise bad_request(f"'{name}' is not supported with use_beam_search", param=name, code="unsupported_parameter")
-    if logprobs is not None:
-        raise bad_request("'logprobs' is not supported with use_beam_search", param="logprobs", code="unsupported_parameter")
+    try:
+        check_beam_compatible({**f, "logprobs": logprobs})
+    except ParamError as exc:
+        raise bad_request(str(exc), param=exc.param, code="unsupported_parameter") from None
     width = f["n"] if chat or f["best_of"] is None else f["best_of"]
     if width < f["n"]:
         raise bad_request(f"'best_of' ({width}) must be at least n ({f['n']})", param="best_of")
@@ -263,14 +256,16 @@ def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -
 
 def fit_context(prompt: list[int], max_tokens: int | None, limit: int, param: str) -> int:
     """The completion budget of one prompt; 400 when prompt + max_tokens exceed the context."""
-    if not prompt:
-        raise bad_request("prompt is empty (it encodes to no tokens)", param=param)
-    budget = limit - len(prompt) if max_tokens is None else max_tokens
-    if len(prompt) >= limit or len(prompt) + budget > limit:
+    try:
+        room = prompt_room(len(prompt), limit, param)  # the prompt must leave room for one token
+    except ParamError as exc:
+        raise bad_request(str(exc), param=param, code="context_length_exceeded" if prompt else None) from None
+    budget = room if max_tokens is None else max_tokens
+    if len(prompt) + budget > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens, however you requested {len(prompt) + max(budget, 0)} "
             f"tokens ({len(prompt)} in the prompt, {max(budget, 0)} for the completion). Shorten the prompt or max_tokens.",
-            param=param if max_tokens is None or len(prompt) >= limit else "max_tokens", code="context_length_exceeded")
+            param="max_tokens", code="context_length_exceeded")
     return budget
 
 

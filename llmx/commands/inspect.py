@@ -18,10 +18,14 @@ def register(cli: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True, help="Print the manifest and file sizes as JSON.")
     @click.option("--check", is_flag=True, help="Verify every file's sha256 against the manifest.")
     def inspect(artifact: Path, as_json: bool, check: bool) -> None:
-        """Show what an artifact holds: model, graphs and their IO, files, precision, lineage."""
-        from llmx.errors import ArtifactError
-        from llmx.manifest import load_manifest, verify_checksums
+        """Show what an artifact holds: model, graphs and their IO, files, precision, lineage.
 
+        ARTIFACT is the artifact directory or its manifest (ART/llmx.json)."""
+        from llmx.errors import ArtifactError
+        from llmx.manifest import MANIFEST_NAME, load_manifest, verify_checksums
+
+        if artifact.name == MANIFEST_NAME and artifact.is_file():
+            artifact = artifact.parent
         manifest = load_manifest(artifact)
         sizes = {rel: (artifact / rel).stat().st_size for rel in manifest.checksums if (artifact / rel).is_file()}
         bad = verify_checksums(artifact, manifest) if check else []
