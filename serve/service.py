@@ -21,6 +21,7 @@ from llmx.errors import InputError
 from llmx.runtime.sequence import Sequence
 from llmx.serve.errors import ApiError
 from llmx.serve.metrics import Metrics
+from llmx.serve.prefix_cache import default_bytes as default_prefix_bytes
 from llmx.serve.protocol import Job, parse_job
 from llmx.serve.responses import ChoiceResult, Responder, sse
 from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
@@ -28,7 +29,6 @@ from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
 RETRY_AFTER_S = 1
 API_KEY_ENV = "LLMX_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_PREFIX_CACHE_MB = 256
 CLIENT_CHECK_S = 0.25  # how often a whole answer's wait looks whether its client is still there
 
 
@@ -36,7 +36,7 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
                   max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
                   threads: int | None = None, spin: bool = False, low_memory: bool = False,
-                  prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, speculative: str | None = None,
+                  prefix_cache_mb: int | None = None, speculative: str | None = None,
                   draft: str | None = None, num_draft_tokens: int = 4) -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
@@ -45,14 +45,15 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
     server's HTTP threads need the same cores (measured: 1.7x faster decode without it on a
     busy 2-core host, docs/serving.md). ``low_memory`` (ort-cpu, unquantized artifacts) serves from
     one memory-mapped copy of the weights, shared with other processes serving the same artifact
-    (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off);
+    (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off; None: the KV of ``max_batch``
+    full-context sequences, at most 256 MiB, serve/prefix_cache.py);
     ``speculative`` ("ngram" or "draft" with ``draft``, an artifact) drafts ``num_draft_tokens``
     per step for every request (docs/decoding.md).
     """
     if (artifact is None) == (engine is None):
         raise InputError("the server needs an artifact directory or a loaded engine (one of them)")
     for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("prefill_chunk", prefill_chunk, 1),
-                             ("max_body_bytes", max_body_bytes, 1), ("prefix_cache_mb", prefix_cache_mb, 0)):
+                             ("max_body_bytes", max_body_bytes, 1), ("prefix_cache_mb", 0 if prefix_cache_mb is None else prefix_cache_mb, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -80,7 +81,11 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
         check_speculative(speculative, draft, num_draft_tokens)
         load_drafter = lambda target: make_drafter(speculative, target, num_draft_tokens, draft,  # noqa: E731
                                                    backend=backend, threads=threads)
-    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_cache_mb << 20, load_drafter).start()
+    if prefix_cache_mb is None:
+        prefix_bytes = default_prefix_bytes(engine.manifest if engine is not None else manifest, max_batch)
+    else:
+        prefix_bytes = prefix_cache_mb << 20
+    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_bytes, load_drafter).start()
     return Service(scheduler, name, key, keepalive_s, max_body_bytes)
 
 

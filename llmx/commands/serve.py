@@ -34,8 +34,9 @@ def register(cli: click.Group) -> None:
     @click.option("--quiet", is_flag=True, help="No per-request access log lines.")
     @click.option("--spin/--no-spin", default=False, show_default=True,
                   help="Let ONNX Runtime threads busy-wait between operators (only on cores the HTTP threads do not need).")
-    @click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=256, show_default=True,
-                  help="KV memory for reusing shared prompt prefixes across requests (0 turns it off).")
+    @click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=None,
+                  help="KV memory for reusing shared prompt prefixes across requests (0 turns it off; default: "
+                       "the KV of --max-batch full-context sequences, at most 256).")
     @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
                   help="On SIGTERM/SIGINT: seconds running requests may take to finish (queued ones end at once).")
     @click.option("--http-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
