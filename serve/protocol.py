@@ -148,18 +148,32 @@ def check_fields(body: dict, table: dict[str, tuple[Checker, Any]]) -> dict[str,
         raise from_param(exc) from None
 
 
-def prompt_ids(value: Any, tokenizer, vocab_size: int) -> list[list[int]]:
+# Normalizers may fold several characters into one (NFKC, combining marks): a generous margin.
+CHARS_PER_TOKEN_MARGIN = 4
+
+
+def check_chars(text_: str, tokenizer, limit: int, param: str) -> str:
+    """Refuse text that cannot fit the context before tokenizing it: a 1 MiB prompt costs the
+    tokenizer seconds of CPU for an answer known from its length alone."""
+    most = limit * tokenizer.max_token_chars * CHARS_PER_TOKEN_MARGIN
+    if len(text_) > most:
+        raise bad_request(f"'{param}' has {len(text_)} characters: more than this model's maximum context length of "
+                          f"{limit} tokens can hold", param=param, code="context_length_exceeded")
+    return text_
+
+
+def prompt_ids(value: Any, tokenizer, vocab_size: int, limit: int) -> list[list[int]]:
     """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
     def is_token(t):
         return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
 
     if isinstance(value, str):
-        return [tokenizer.encode(text(value, "prompt"))]
+        return [tokenizer.encode(check_chars(text(value, "prompt"), tokenizer, limit, "prompt"))]
     if isinstance(value, list) and value and all(is_token(t) for t in value):
         return [list(value)]  # one prompt of token ids: as long as the context allows
     if isinstance(value, list) and 0 < len(value) <= MAX_CHOICES:
         if all(isinstance(p, str) for p in value):
-            return [tokenizer.encode(text(p, "prompt")) for p in value]
+            return [tokenizer.encode(check_chars(text(p, "prompt"), tokenizer, limit, "prompt")) for p in value]
         if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in value):
             return [list(p) for p in value]
     rule = f"a string, a list of strings, or token ids in [0, {vocab_size}) (a list, or a list of lists), at most {MAX_CHOICES} prompts"
@@ -214,13 +228,14 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
             rendered = render_chat(engine.tokenizer, messages)
         except InputError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+        check_chars(rendered, engine.tokenizer, engine.max_seq_len, "messages")
         prompts = [engine.tokenizer.encode(rendered, add_special_tokens=False)]
         logprobs = (f["top_logprobs"] or 0) if f["logprobs"] else None
         max_tokens = f["max_completion_tokens"] or f["max_tokens"]
     else:
         if f["prompt"] is None:
             raise bad_request("'prompt' is required", param="prompt")
-        prompts = prompt_ids(f["prompt"], engine.tokenizer, int(engine.manifest.model["vocab_size"]))
+        prompts = prompt_ids(f["prompt"], engine.tokenizer, int(engine.manifest.model["vocab_size"]), engine.max_seq_len)
         logprobs, max_tokens = f["logprobs"], f["max_tokens"] or COMPLETION_DEFAULT_MAX_TOKENS
     if len(prompts) * f["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n may be at most {MAX_CHOICES}", param="n")

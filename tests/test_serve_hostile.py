@@ -179,3 +179,33 @@ def test_silent_and_slow_connections_time_out_and_connections_are_bounded(small_
     slow.close()
     assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 5
     assert requests.post(url + "/v1/completions", json={"prompt": "def", "max_tokens": 2}, timeout=10).status_code == 200
+
+
+def test_a_megabyte_prompt_is_refused_by_its_length_before_tokenizing(server):
+    answer = _post(server, {"prompt": "x " * 500_000, "max_tokens": 2})  # 1 MB, under the 1 MiB body limit
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "1000000 characters" in error["message"]
+
+
+def test_tokenizing_a_long_text_lets_other_threads_run(llama_engine):
+    text = "def f(x): return x + 1\n" * 20_000
+    gaps, done = [], threading.Event()
+
+    def ticker():
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    llama_engine.tokenizer.encode(text)
+    took = time.perf_counter() - start
+    done.set()
+    thread.join()
+    assert max(gaps) < took / 2, (max(gaps), took)  # holding the GIL, one gap would span it all
