@@ -106,3 +106,17 @@ def test_exit_codes_say_usage_error_2_or_failure_1(llama_artifact, tmp_path, cap
     got, _, err = run(argv, capsys)
     assert got == code, err
     assert last_line(err).lower().startswith("error"), err
+
+
+def test_export_prints_each_phase_with_its_time_and_a_heartbeat_in_long_silences(store, tmp_path, capsys, monkeypatch):
+    import llmx.commands.export as export_command
+
+    monkeypatch.setattr(export_command, "HEARTBEAT_S", 0.2)
+    checkpoint = store.checkpoint("llama")
+    capsys.readouterr()  # building the checkpoint prints transformers' own progress
+    code, _, err = run(["export", str(checkpoint), "-o", str(tmp_path / "art")], capsys)
+    lines = err.splitlines()
+    assert code == 0 and lines and all(line.startswith("[") and " s] " in line for line in lines), err
+    assert any("exporting prefill and decode graphs" in line for line in lines)
+    assert any("... still exporting" in line for line in lines), err  # tracing takes seconds, not 0.2
+    assert lines[-1].endswith("(llama, 2 graphs)")
