@@ -68,18 +68,21 @@ def normal_client(url: str, until: float, seed: int) -> dict:
                     if line == b"data: [DONE]":
                         finished = True
                         break
-                    if not line.startswith(b"data: ") or b'"text": ""' in line:
+                    if not line.startswith(b"data: "):
                         continue
-                    now = time.perf_counter()
-                    if b'"error"' in line:
-                        errors.append(line[:120].decode())
-                    elif first is None:
+                    chunk, now = json.loads(line[6:]), time.perf_counter()
+                    if "error" in chunk:
+                        errors.append(chunk["error"]["message"][:120])
+                        continue
+                    if not any(c["text"] for c in chunk["choices"]):
+                        continue
+                    if first is None:
                         first = now
                         ttfts.append(now - start)
                     else:
                         gaps.append(now - last)
                     last = now
-        except requests.RequestException as exc:
+        except (requests.RequestException, ValueError) as exc:
             errors.append(type(exc).__name__)
             continue
         if not finished:
