@@ -128,6 +128,11 @@ class BaseService:
     def health(self) -> dict:
         return {"status": "ok"}
 
+    def drain(self, timeout: float) -> bool:
+        """Graceful shutdown. Embedding requests are short and run to the end as they are; the
+        generation Service overrides this to end queued and overlong work cleanly."""
+        return True
+
     def wait_loaded(self) -> None:
         """Block until the model has loaded; re-raise its load error (the CLI prints one line)."""
         self.worker.settled.wait()

@@ -90,7 +90,8 @@ def register(cli: click.Group) -> None:
             server.serve_forever()
         finally:
             server.server_close()
-            service.scheduler.stop()
+            if hasattr(service.worker, "stop"):  # the scheduler; the embedding batcher's thread is a daemon
+                service.worker.stop()
 
 
 def _drain_on_signals(server, service, timeout: float) -> None:
@@ -98,9 +99,11 @@ def _drain_on_signals(server, service, timeout: float) -> None:
     work); when it is over the server stops and ``llmx serve`` exits 0. A second signal ends at once."""
 
     def drain_then_stop():
-        clean = service.drain(timeout)
-        click.echo("drained" if clean else f"drain timeout ({timeout:g} s): running requests were ended", err=True)
-        server.shutdown()
+        try:
+            clean = service.drain(timeout)
+            click.echo("drained" if clean else f"drain timeout ({timeout:g} s): running requests were ended", err=True)
+        finally:
+            server.shutdown()
 
     def on_signal(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
