@@ -108,10 +108,11 @@ def build_artifact(model: str, workdir: Path) -> Path:
 # -- the server --------------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, artifact: Path, max_batch: int, max_queue: int, threads: int, spin: bool = False):
+    def __init__(self, artifact: Path, max_batch: int, max_queue: int, threads: int, spin: bool = False,
+                 extra: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "llmx.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", "--quiet",
                "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--threads", str(threads),
-               "--spin" if spin else "--no-spin"]
+               "--spin" if spin else "--no-spin", *extra]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         line = self.proc.stderr.readline()
         match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)

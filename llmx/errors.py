@@ -1,5 +1,11 @@
 """User-facing errors. The CLI prints them as one line and exits non-zero; the server maps
-them to 4xx JSON. Raise them where the cause is known, with a message a user can act on."""
+them to 4xx JSON. Raise them where the cause is known, with a message a user can act on.
+
+Exit codes of ``llmx`` (docs/generate.md lists them): 2 when the command line is wrong (an
+unknown option, a value out of range, a prompt the model cannot take: InputError, and click's
+usage errors); 1 when a well-formed command could not do its work (an artifact or checkpoint
+missing or corrupt, a dependency not installed: every other LlmxError); 130 when interrupted.
+"""
 
 from __future__ import annotations
 

@@ -22,12 +22,12 @@ deterministic and scores with the model's own log-probabilities: no sampling fil
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from llmx.errors import InputError
+from llmx.runtime.params import BEAM, SAMPLING, integer, prompt_room
 from llmx.runtime.sampling import log_softmax
 
 MAX_BEAMS = 64
@@ -44,12 +44,9 @@ class BeamParams:
     ignore_eos: bool = False
 
     def validate(self) -> "BeamParams":
-        if not isinstance(self.num_beams, int) or not 1 <= self.num_beams <= MAX_BEAMS:
-            raise InputError(f"num_beams must be an integer in [1, {MAX_BEAMS}], got {self.num_beams!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
-            raise InputError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        integer(1, MAX_BEAMS)(self.num_beams, "num_beams")
+        SAMPLING["max_new_tokens"](self.max_new_tokens, "max_new_tokens")
+        BEAM["length_penalty"](self.length_penalty, "length_penalty")
         if self.early_stopping not in (True, False, "never"):
             raise InputError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         returned = self.num_return_sequences
@@ -78,10 +75,7 @@ class BeamSearch:
 
     def __init__(self, backend, prompt_ids: list[int], params: BeamParams, end_ids: list[int]):
         self.params = params.validate()
-        if not prompt_ids:
-            raise InputError("prompt is empty")
-        if len(prompt_ids) >= backend.max_seq_len:
-            raise InputError(f"prompt has {len(prompt_ids)} tokens; the model's maximum sequence length is {backend.max_seq_len}")
+        prompt_room(len(prompt_ids), backend.max_seq_len)
         self.backend, self.prompt = backend, list(prompt_ids)
         self.max_new = min(params.max_new_tokens, backend.max_seq_len - len(self.prompt))
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(end_ids))

@@ -13,15 +13,13 @@ from typing import Callable
 
 from llmx.errors import InputError
 from llmx.runtime.batch import Batch, Event
+from llmx.runtime.params import prompt_room
 from llmx.runtime.sampling import SamplingParams
 from llmx.runtime.sequence import Sequence
 
 
 def check_prompt(n_tokens: int, max_len: int) -> None:
-    if n_tokens == 0:
-        raise InputError("prompt is empty")
-    if n_tokens >= max_len:
-        raise InputError(f"prompt has {n_tokens} tokens; the model's maximum sequence length is {max_len}")
+    prompt_room(n_tokens, max_len)
 
 
 def generate(

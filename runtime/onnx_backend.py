@@ -69,6 +69,34 @@ def _physical_cores() -> int:
         return os.cpu_count() or 1
 
 
+class _MappedFiles:
+    """The weights files ONNX Runtime memory-maps under --low-memory, and their sizes at load.
+
+    Reading a mapped page past a file's new end kills the process with SIGBUS, so a file that
+    shrinks under a running server (an artifact overwritten in place) must be caught before the
+    next graph run. fstat on descriptors opened at load follows the mapped inode: replacing the
+    artifact by rename (what llmx's writers do) leaves the mapping, and this check, intact.
+    """
+
+    def __init__(self, artifact: Path, manifest: Manifest):
+        names = sorted({rel for g in manifest.graphs.values() for rel in (g.external_data or [])})
+        self.files = {}
+        for rel in names:
+            fd = os.open(artifact / rel, os.O_RDONLY)
+            self.files[rel] = (fd, os.fstat(fd).st_size)
+
+    def check(self) -> None:
+        for rel, (fd, size) in self.files.items():
+            now = os.fstat(fd).st_size
+            if now != size:
+                raise ArtifactError(f"{rel} changed size under --low-memory ({size} -> {now} bytes) while memory-mapped: "
+                                    "the artifact was overwritten in place; restart on a complete copy")
+
+    def __del__(self) -> None:
+        for fd, _ in self.files.values():
+            os.close(fd)
+
+
 class OrtBackend:
     """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider (a Backend)."""
 
@@ -100,6 +128,7 @@ class OrtBackend:
                 self.sessions[name] = ort.InferenceSession(str(path), opts, providers=[PROVIDERS[provider]])
             except Exception as exc:
                 raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
+        self._mapped = _MappedFiles(self.artifact, manifest) if low_memory else None
         kv = manifest.kv
         self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
         self.kv_dtype = np.dtype(kv.dtype)
@@ -121,6 +150,8 @@ class OrtBackend:
 
     def prefill(self, cache: KVCache, rows: list[int], prompts: list[list[int]], padding: str = "right") -> np.ndarray:
         """Run whole prompts; write their KV into ``rows``; return last-position logits [n, V]."""
+        if self._mapped is not None:
+            self._mapped.check()
         ids, mask, positions, lengths = prompt_inputs(prompts, padding)
         width = ids.shape[1]
         cache.ensure_capacity(width)
@@ -139,6 +170,8 @@ class OrtBackend:
 
     def decode(self, cache: KVCache, input_ids: np.ndarray) -> np.ndarray:
         """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
+        if self._mapped is not None:
+            self._mapped.check()
         n, t = input_ids.shape
         if n > 1 and t > 1 and self.manifest.graphs["decode"].ops == "onnxruntime":
             # GroupQueryAttention takes several new tokens per call only for a batch of one.

@@ -7,19 +7,18 @@ sequence's tokens never depend on what else is in the batch). ``temperature == 0
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmx.errors import InputError
+from llmx.runtime.params import SAMPLING, check_sampling
 
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
     temperature: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
     min_p: float = 0.0
     typical_p: float = 1.0
@@ -33,31 +32,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
 
     def validate(self) -> "SamplingParams":
-        def check(ok: bool, name: str, rule: str):
-            if not ok:
-                raise InputError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
-        check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1")
-        check(_finite(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0")
-        check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        check(_finite(self.typical_p) and 0 < self.typical_p <= 1, "typical_p", "in (0, 1]")
-        check(_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "> 0")
-        check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
-        check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs", "an integer in [0, 20]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings")
+        """Refuse values outside runtime/params.py's ranges (the server's, word for word)."""
+        check_sampling({name: getattr(self, name) for name in SAMPLING})
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, context_ids: np.ndarray, output_counts: dict[int, int]) -> np.ndarray:

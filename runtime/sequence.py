@@ -7,6 +7,7 @@ returns the text that may be shown now (held back while it could still begin a s
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -27,10 +28,17 @@ class TokenLogprob:
 
 
 class StopStrings:
-    """Finds stop strings in streamed text and holds back any tail that could start one."""
+    """Finds stop strings in streamed text and holds back any tail that could start one.
+
+    Each stop string runs a Knuth-Morris-Pratt matcher over the text as it arrives, so a token
+    costs time linear in its own text whatever the stop strings' length (a rescan of every
+    prefix was quadratic: two 240 kB stop strings stalled the server's one scheduler thread).
+    """
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
+        self._tables = [_failure(s) for s in self.stops]
+        self._matched = [0] * len(self.stops)  # longest prefix of each stop ending the text so far
         self.pending = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
@@ -39,18 +47,40 @@ class StopStrings:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+        start = len(self.pending) - len(delta)
+        hit = None  # earliest start of a stop string completed inside this delta
+        for j, (stop, table) in enumerate(zip(self.stops, self._tables)):
+            k = self._matched[j]
+            for i, ch in enumerate(delta, start):
+                while k and stop[k] != ch:
+                    k = table[k - 1]
+                k += stop[k] == ch
+                if k == len(stop):
+                    hit = i + 1 - k if hit is None else min(hit, i + 1 - k)
+                    break
+            self._matched[j] = k
+        if hit is not None:
+            out, self.pending = self.pending[:hit], ""
             return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        cut = len(self.pending) - hold
+        cut = len(self.pending) - max(self._matched)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _failure(pattern: str) -> tuple[int, ...]:
+    """KMP failure table: for each prefix, the length of its longest proper border."""
+    table, k = [0] * len(pattern), 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = table[k - 1]
+        k += pattern[i] == pattern[k]
+        table[i] = k
+    return tuple(table)
 
 
 class Sequence:

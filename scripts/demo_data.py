@@ -1,6 +1,8 @@
 """The demo model's data split, shared by its training script and its evaluation (no torch).
 
     python scripts/demo_data.py --held-out DIR   # copy the held-out stdlib files into DIR
+    python scripts/demo_data.py --calib FILE     # write a calibration text from training files
+    python scripts/demo_data.py --held-out heldout --calib calib.txt   # the README tour's inputs
 
 The demo model trained on the running CPython's stdlib ``.py`` files; a file is held out when
 a hash of its path says so (not a random draw, so the split does not depend on which files
@@ -43,8 +45,34 @@ def copy_held_out(out: Path) -> list[str]:
     return held
 
 
+CALIB_BYTES = 256 << 10  # plenty for calibration windows of the demo model, a second to read
+
+
+def write_calibration_text(out: Path, limit: int = CALIB_BYTES) -> int:
+    """Training files (never held-out ones) concatenated into one text file of about ``limit``
+    bytes, spread over the stdlib rather than its first package; returns the files used."""
+    root, train, _ = stdlib_files()
+    step = max(1, len(train) // 200)
+    parts, size = [], 0
+    for rel in train[::step]:
+        text = (root / rel).read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text.encode())
+        if size >= limit:
+            break
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n\n".join(parts), encoding="utf-8")
+    return len(parts)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--held-out", type=Path, required=True, help="directory to copy the held-out files into")
+    ap.add_argument("--held-out", type=Path, help="directory to copy the held-out files into")
+    ap.add_argument("--calib", type=Path, help="text file to write calibration data into")
     args = ap.parse_args()
-    print(f"copied {len(copy_held_out(args.held_out))} held-out files into {args.held_out}")
+    if args.held_out is None and args.calib is None:
+        ap.error("give --held-out DIR, --calib FILE or both")
+    if args.held_out is not None:
+        print(f"copied {len(copy_held_out(args.held_out))} held-out files into {args.held_out}")
+    if args.calib is not None:
+        print(f"wrote {args.calib} from {write_calibration_text(args.calib)} training files")

@@ -12,6 +12,9 @@ the ones Flask raises itself (404, 405, 413 body too large), is OpenAI-shaped JS
 from __future__ import annotations
 
 import logging
+import select
+import socket
+import time
 
 from llmx.errors import require
 from llmx.serve.errors import ApiError, from_status
@@ -52,6 +55,15 @@ def _routes(app, flask, service: Service) -> None:
     def authorize():
         if request.path.startswith("/v1/"):
             service.authorize(request.headers.get("Authorization"))
+        if request.method == "POST" and request.url_rule is not None and request.mimetype != "application/json":
+            # Also what stops a web page from making its visitors' browsers spend this server's
+            # compute: a cross-site POST without a CORS preflight cannot send application/json.
+            raise ApiError(415, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}",
+                           code="unsupported_media_type")
+
+    def body() -> bytes:
+        return read_body(request.environ, request.content_length, service.max_body_bytes,
+                         app.config.get("LLMX_BODY_TIMEOUT_S"))
 
     @app.after_request
     def count(response):
@@ -67,15 +79,15 @@ def _routes(app, flask, service: Service) -> None:
 
     @app.post("/v1/completions")
     def completions():
-        return answer(service.generate(request.get_data(cache=False), chat=False))
+        return answer(service.generate(body(), chat=False, client_gone=client_gone(request.environ)))
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        return answer(service.generate(request.get_data(cache=False), chat=True))
+        return answer(service.generate(body(), chat=True, client_gone=client_gone(request.environ)))
 
     @app.post("/v1/embeddings")
     def embeddings():
-        return flask.jsonify(service.embed(request.get_data(cache=False)))
+        return flask.jsonify(service.embed(body()))
 
     @app.get("/v1/models")
     def models():
@@ -93,3 +105,50 @@ def _routes(app, flask, service: Service) -> None:
     def prometheus():
         body, content_type = service.metrics.render()
         return flask.Response(body, content_type=content_type)
+
+
+def client_gone(environ: dict):
+    """A check that the client has closed its connection, from the socket the WSGI server
+    exposes (werkzeug's and gunicorn's do); None where there is none to look at."""
+    sock = environ.get("werkzeug.socket") or environ.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def gone() -> bool:
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""  # readable with no data: EOF
+        except (ConnectionError, OSError):
+            return True
+        except ValueError:  # a TLS socket refuses MSG_PEEK: cannot tell, assume present
+            return False
+
+    return gone
+
+
+def read_body(environ: dict, length: int | None, limit: int, timeout: float | None) -> bytes:
+    """The request body, 413 past ``limit`` bytes whether it has a Content-Length or is chunked,
+    408 when it takes longer than ``timeout`` seconds in all (a slow-loris client)."""
+    if length is not None and length > limit:
+        raise too_large(limit)
+    if length is None and not environ.get("wsgi.input_terminated"):
+        return b""  # no length and a server that does not end the stream: nothing is safe to read
+    stream, want = environ["wsgi.input"], limit + 1 if length is None else length
+    read = getattr(stream, "read1", stream.read)  # one socket read at a time, so the deadline is seen
+    deadline = None if timeout is None else time.monotonic() + timeout
+    parts, got = [], 0
+    while got < want:
+        part = read(min(want - got, 1 << 16))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+        if deadline is not None and time.monotonic() > deadline:
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout")
+    if got > limit:
+        raise too_large(limit)
+    return b"".join(parts)
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than {limit} bytes", code="request_too_large")

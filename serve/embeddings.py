@@ -21,7 +21,8 @@ import numpy as np
 
 from llmx.serve.errors import ApiError, bad_request
 from llmx.serve.metrics import Metrics
-from llmx.serve.protocol import invalid_field, check_fields, parse_body, string
+from llmx.runtime.params import ParamError, text
+from llmx.serve.protocol import check_fields, from_param, invalid_field, parse_body, string
 from llmx.serve.service import RETRY_AFTER_S, BaseService
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
@@ -54,10 +55,10 @@ def embedding_inputs(value, tokenizer, vocab_size: int) -> list[list[int]]:
         return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
 
     if isinstance(value, str) and value:
-        return [tokenizer.encode(value)]
+        return [tokenizer.encode(text(value, "input"))]
     if isinstance(value, list) and 0 < len(value) <= MAX_INPUTS:
         if all(isinstance(s, str) and s for s in value):
-            return [tokenizer.encode(s) for s in value]
+            return [tokenizer.encode(text(s, "input")) for s in value]
         if all(is_token(t) for t in value):
             return [list(value)]
         if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in value):
@@ -176,7 +177,10 @@ class EmbeddingService(BaseService):
         if f["dimensions"] not in (None, embedder.dim):
             raise bad_request(f"this model's embeddings have {embedder.dim} dimensions; 'dimensions' cannot change that",
                               param="dimensions", code="unsupported_parameter")
-        ids = embedding_inputs(f["input"], embedder.tokenizer, embedder.manifest.model.vocab_size)
+        try:
+            ids = embedding_inputs(f["input"], embedder.tokenizer, embedder.manifest.model.vocab_size)
+        except ParamError as exc:
+            raise from_param(exc) from None
         request = self.batcher.submit(ids)
         request.done.wait()
         if request.error:

@@ -26,6 +26,16 @@ from collections import OrderedDict
 import numpy as np
 
 BLOCK = 16
+DEFAULT_CAP_BYTES = 256 << 20
+
+
+def default_bytes(manifest, max_batch: int) -> int:
+    """The default bound: the KV of ``max_batch`` full-context sequences (what the batch itself
+    may hold), at most 256 MiB. It scales with the model, so a small model's cache no longer
+    outweighs the model (the demo model: 25 MB, not 256), and a large one's stays bounded."""
+    kv = manifest.kv
+    per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * np.dtype(kv.dtype).itemsize
+    return min(DEFAULT_CAP_BYTES, max_batch * manifest.max_seq_len * per_token)
 
 
 class PrefixCache:

@@ -9,58 +9,25 @@ Every field has a checker (type and range, with OpenAI's names and limits) and a
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from llmx.errors import InputError
 from llmx.runtime.beam import BeamParams
 from llmx.runtime.chat import render_chat
+from llmx.runtime.params import MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Checker, ParamError, check_beam_compatible, integer, invalid, prompt_room, text
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
 
-MAX_CHOICES = 64  # prompts x n: sequences one request may ask for
-MAX_STOPS = 4  # OpenAI's limit
-MAX_LOGPROBS = 20
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-Checker = Callable[[Any, str], Any]
 
 
 def invalid_field(name: str, rule: str, value: Any) -> ApiError:
-    shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
-    return bad_request(f"'{name}' must be {rule}, got {shown}", param=name)
+    return from_param(invalid(name, rule, value))
 
 
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
-
-
-def integer(lo: int | None = None, hi: int | None = None) -> Checker:
-    rule = "an integer" + (f" in [{lo}, {hi}]" if lo is not None and hi is not None else f" >= {lo}" if lo is not None else "")
-
-    def check(value, name):
-        if isinstance(value, bool) or not isinstance(value, int) or (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise invalid_field(name, rule, value)
-        return value
-
-    return check
-
-
-def number(lo: float, hi: float, open_lo: bool = False) -> Checker:
-    rule = f"a number in {'(' if open_lo else '['}{lo}, {hi}]"
-
-    def check(value, name):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value > hi or value < lo or (open_lo and value == lo):
-            raise invalid_field(name, rule, value)
-        return float(value)
-
-    return check
+def from_param(exc: ParamError) -> ApiError:
+    return bad_request(str(exc), param=exc.param)
 
 
 def boolean(value, name):
@@ -73,13 +40,6 @@ def string(value, name):
     if not isinstance(value, str):
         raise invalid_field(name, "a string", value)
     return value
-
-
-def stop_strings(value, name):
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise invalid_field(name, f"a non-empty string or a list of at most {MAX_STOPS} non-empty strings", value)
-    return stops
 
 
 def stream_options(value, name):
@@ -110,23 +70,23 @@ def unsupported(allowed: Callable[[Any], bool], why: str) -> Checker:
 # use_beam_search/length_penalty/early_stopping are vLLM's beam-search fields.
 COMMON: dict[str, tuple[Checker, Any]] = {
     "model": (string, None),
-    "max_tokens": (integer(1), None),
-    "temperature": (number(0, 2), 1.0),
-    "top_p": (number(0, 1, open_lo=True), 1.0),
-    "top_k": (integer(-1), 0),  # -1 or 0: off
-    "min_p": (number(0, 1), 0.0),
-    "typical_p": (number(0, 1, open_lo=True), 1.0),
-    "presence_penalty": (number(-2, 2), 0.0),
-    "frequency_penalty": (number(-2, 2), 0.0),
-    "repetition_penalty": (number(0, 10, open_lo=True), 1.0),
-    "stop": (stop_strings, []),
-    "seed": (integer(0, 2**63 - 1), None),
+    "max_tokens": (SAMPLING["max_new_tokens"], None),
+    "temperature": (SAMPLING["temperature"], 1.0),
+    "top_p": (SAMPLING["top_p"], 1.0),
+    "top_k": (SAMPLING["top_k"], 0),
+    "min_p": (SAMPLING["min_p"], 0.0),
+    "typical_p": (SAMPLING["typical_p"], 1.0),
+    "presence_penalty": (SAMPLING["presence_penalty"], 0.0),
+    "frequency_penalty": (SAMPLING["frequency_penalty"], 0.0),
+    "repetition_penalty": (SAMPLING["repetition_penalty"], 1.0),
+    "stop": (SAMPLING["stop"], []),
+    "seed": (SAMPLING["seed"], None),
     "n": (integer(1, MAX_CHOICES), 1),
     "stream": (boolean, False),
     "stream_options": (stream_options, None),
     "ignore_eos": (boolean, False),
     "use_beam_search": (boolean, False),
-    "length_penalty": (number(-10, 10), None),
+    "length_penalty": (BEAM["length_penalty"], None),
     "early_stopping": (early_stopping, None),
     "user": (string, None),
     "logit_bias": (unsupported(lambda v: v == {}, "is not supported"), None),
@@ -144,7 +104,7 @@ CHAT = {
     "messages": (lambda v, n: v, None),  # checked by chat_prompt
     "logprobs": (boolean, False),
     "top_logprobs": (integer(0, MAX_LOGPROBS), None),
-    "max_completion_tokens": (integer(1), None),
+    "max_completion_tokens": (SAMPLING["max_new_tokens"], None),
     "response_format": (unsupported(lambda v: v == {"type": "text"}, 'supports only {"type": "text"}'), None),
     "tools": (unsupported(lambda v: v == [], "is not supported"), None),
     "tool_choice": (unsupported(lambda v: v == "none", 'supports only "none"'), None),
@@ -182,21 +142,38 @@ def check_fields(body: dict, table: dict[str, tuple[Checker, Any]]) -> dict[str,
     unknown = sorted(set(body) - set(table))
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unrecognized_argument")
-    return {name: default if body.get(name) is None else check(body[name], name) for name, (check, default) in table.items()}
+    try:
+        return {name: default if body.get(name) is None else check(body[name], name) for name, (check, default) in table.items()}
+    except ParamError as exc:
+        raise from_param(exc) from None
 
 
-def prompt_ids(value: Any, tokenizer, vocab_size: int) -> list[list[int]]:
+# Normalizers may fold several characters into one (NFKC, combining marks): a generous margin.
+CHARS_PER_TOKEN_MARGIN = 4
+
+
+def check_chars(text_: str, tokenizer, limit: int, param: str) -> str:
+    """Refuse text that cannot fit the context before tokenizing it: a 1 MiB prompt costs the
+    tokenizer seconds of CPU for an answer known from its length alone."""
+    most = limit * tokenizer.max_token_chars * CHARS_PER_TOKEN_MARGIN
+    if len(text_) > most:
+        raise bad_request(f"'{param}' has {len(text_)} characters: more than this model's maximum context length of "
+                          f"{limit} tokens can hold", param=param, code="context_length_exceeded")
+    return text_
+
+
+def prompt_ids(value: Any, tokenizer, vocab_size: int, limit: int) -> list[list[int]]:
     """OpenAI's four prompt forms: a string, strings, token ids, lists of token ids."""
     def is_token(t):
         return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
 
     if isinstance(value, str):
-        return [tokenizer.encode(value)]
+        return [tokenizer.encode(check_chars(text(value, "prompt"), tokenizer, limit, "prompt"))]
     if isinstance(value, list) and value and all(is_token(t) for t in value):
         return [list(value)]  # one prompt of token ids: as long as the context allows
     if isinstance(value, list) and 0 < len(value) <= MAX_CHOICES:
         if all(isinstance(p, str) for p in value):
-            return [tokenizer.encode(p) for p in value]
+            return [tokenizer.encode(check_chars(text(p, "prompt"), tokenizer, limit, "prompt")) for p in value]
         if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in value):
             return [list(p) for p in value]
     rule = f"a string, a list of strings, or token ids in [0, {vocab_size}) (a list, or a list of lists), at most {MAX_CHOICES} prompts"
@@ -219,12 +196,19 @@ def chat_messages(value: Any) -> list[dict]:
             content = "".join(p["text"] for p in parts)
         if not isinstance(content, str):
             raise invalid_field(f"{name}.content", "a string or a list of text parts", m.get("content"))
-        messages.append({"role": m["role"], "content": content})
+        messages.append({"role": m["role"], "content": text(content, f"{name}.content")})
     return messages
 
 
 def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     """Check a request body against the engine it will run on; raise ApiError on anything wrong."""
+    try:
+        return _parse_job(raw, chat, engine, served_model)
+    except ParamError as exc:
+        raise from_param(exc) from None
+
+
+def _parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     f = check_fields(parse_body(raw), CHAT if chat else COMPLETION)
     if f["model"] is not None and f["model"] != served_model:
         raise ApiError(404, f"The model '{f['model']}' does not exist; this server serves '{served_model}'",
@@ -239,17 +223,19 @@ def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     if chat:
         if f["messages"] is None:
             raise bad_request("'messages' is required", param="messages")
+        messages = chat_messages(f["messages"])
         try:
-            text = render_chat(engine.tokenizer, chat_messages(f["messages"]))
+            rendered = render_chat(engine.tokenizer, messages)
         except InputError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
-        prompts = [engine.tokenizer.encode(text, add_special_tokens=False)]
+        check_chars(rendered, engine.tokenizer, engine.max_seq_len, "messages")
+        prompts = [engine.tokenizer.encode(rendered, add_special_tokens=False)]
         logprobs = (f["top_logprobs"] or 0) if f["logprobs"] else None
         max_tokens = f["max_completion_tokens"] or f["max_tokens"]
     else:
         if f["prompt"] is None:
             raise bad_request("'prompt' is required", param="prompt")
-        prompts = prompt_ids(f["prompt"], engine.tokenizer, engine.manifest.model.vocab_size)
+        prompts = prompt_ids(f["prompt"], engine.tokenizer, engine.manifest.model.vocab_size, engine.max_seq_len)
         logprobs, max_tokens = f["logprobs"], f["max_tokens"] or COMPLETION_DEFAULT_MAX_TOKENS
     if len(prompts) * f["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n may be at most {MAX_CHOICES}", param="n")
@@ -260,12 +246,6 @@ def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam)
 
 
-# Fields beam search cannot honour (it is deterministic and scores with the model's own logprobs),
-# with their no-op values. temperature and seed are accepted and do not apply.
-NOT_FOR_BEAMS = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "typical_p": (1.0,), "repetition_penalty": (1.0,),
-                 "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],)}
-
-
 def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -> list[BeamParams] | None:
     """BeamParams per prompt for use_beam_search (width best_of, else n; the n best are returned)."""
     if not f["use_beam_search"]:
@@ -273,11 +253,10 @@ def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -
             if f[name] is not None:
                 raise bad_request(f"'{name}' applies to beam search: set use_beam_search", param=name)
         return None
-    for name, neutral in NOT_FOR_BEAMS.items():
-        if f[name] not in neutral:
-            raise bad_request(f"'{name}' is not supported with use_beam_search", param=name, code="unsupported_parameter")
-    if logprobs is not None:
-        raise bad_request("'logprobs' is not supported with use_beam_search", param="logprobs", code="unsupported_parameter")
+    try:
+        check_beam_compatible({**f, "logprobs": logprobs})
+    except ParamError as exc:
+        raise bad_request(str(exc), param=exc.param, code="unsupported_parameter") from None
     width = f["n"] if chat or f["best_of"] is None else f["best_of"]
     if width < f["n"]:
         raise bad_request(f"'best_of' ({width}) must be at least n ({f['n']})", param="best_of")
@@ -292,14 +271,16 @@ def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -
 
 def fit_context(prompt: list[int], max_tokens: int | None, limit: int, param: str) -> int:
     """The completion budget of one prompt; 400 when prompt + max_tokens exceed the context."""
-    if not prompt:
-        raise bad_request("prompt is empty (it encodes to no tokens)", param=param)
-    budget = limit - len(prompt) if max_tokens is None else max_tokens
-    if len(prompt) >= limit or len(prompt) + budget > limit:
+    try:
+        room = prompt_room(len(prompt), limit, param)  # the prompt must leave room for one token
+    except ParamError as exc:
+        raise bad_request(str(exc), param=param, code="context_length_exceeded" if prompt else None) from None
+    budget = room if max_tokens is None else max_tokens
+    if len(prompt) + budget > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens, however you requested {len(prompt) + max(budget, 0)} "
             f"tokens ({len(prompt)} in the prompt, {max(budget, 0)} for the completion). Shorten the prompt or max_tokens.",
-            param=param if max_tokens is None or len(prompt) >= limit else "max_tokens", code="context_length_exceeded")
+            param="max_tokens", code="context_length_exceeded")
     return budget
 
 

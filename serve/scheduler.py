@@ -55,6 +55,7 @@ class Update:
 @dataclass
 class Failure:
     message: str
+    status: int = 500  # what a whole (non-streamed) answer says: 500, or 503 when the server sheds work
 
 
 class Ticket:
@@ -133,6 +134,11 @@ class Scheduler:
         """The client went away: stop its sequences and free their rows at the next turn."""
         self._inbox.put(("cancel", ticket))
 
+    def shed(self, message: str, running: bool = False) -> None:
+        """End queued requests (and, with ``running``, every request) with a 503 Failure: the
+        server is shutting down. Requests already generating keep going unless ``running``."""
+        self._inbox.put(("shed", (message, running)))
+
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(("stop", None))
         if self._thread.is_alive():
@@ -197,6 +203,9 @@ class Scheduler:
             block = False
             if kind == "stop":
                 return False
+            if kind == "shed":
+                self._shed(*ticket)
+                continue
             if kind == "submit":
                 ticket.queued_turn = self.turn + 1
                 for i, seq in enumerate(ticket.seqs):
@@ -207,6 +216,14 @@ class Scheduler:
                     self._beam_waiting.append(BeamJob(ticket, ticket.beam, len(ticket.seqs) // len(ticket.beam)))
             else:
                 self._cancel(ticket)
+
+    def _shed(self, message: str, running: bool) -> None:
+        waiting = {s.id for s in self._waiting} | {s.id for job in self._beam_waiting for s in job.ticket.seqs}
+        tickets = {id(o.ticket): o.ticket for o in self._owners.values()}
+        for ticket in tickets.values():
+            if running or all(s.id in waiting for s in ticket.seqs if s.id in self._owners):
+                ticket.updates.put(Failure(message, 503))  # before _drop sets ``done``
+                self._drop(ticket, "error")
 
     def _cancel(self, ticket: Ticket) -> None:
         self.metrics.cancelled.inc(self._drop(ticket))

@@ -12,14 +12,16 @@ from __future__ import annotations
 import hmac
 import os
 import queue
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from llmx.errors import InputError
 from llmx.runtime.sequence import Sequence
 from llmx.serve.errors import ApiError
 from llmx.serve.metrics import Metrics
+from llmx.serve.prefix_cache import default_bytes as default_prefix_bytes
 from llmx.serve.protocol import Job, parse_job
 from llmx.serve.responses import ChoiceResult, Responder, sse
 from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
@@ -27,14 +29,14 @@ from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
 RETRY_AFTER_S = 1
 API_KEY_ENV = "LLMX_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-DEFAULT_PREFIX_CACHE_MB = 256
+CLIENT_CHECK_S = 0.25  # how often a whole answer's wait looks whether its client is still there
 
 
 def build_service(artifact: str | Path | None = None, *, engine=None, model_name: str | None = None,
                   max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
                   threads: int | None = None, spin: bool = False, low_memory: bool = False,
-                  prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB, speculative: str | None = None,
+                  prefix_cache_mb: int | None = None, speculative: str | None = None,
                   draft: str | None = None, num_draft_tokens: int = 4) -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
@@ -43,14 +45,15 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
     server's HTTP threads need the same cores (measured: 1.7x faster decode without it on a
     busy 2-core host, docs/serving.md). ``low_memory`` (ort-cpu, unquantized artifacts) serves from
     one memory-mapped copy of the weights, shared with other processes serving the same artifact
-    (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off);
+    (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off; None: the KV of ``max_batch``
+    full-context sequences, at most 256 MiB, serve/prefix_cache.py);
     ``speculative`` ("ngram" or "draft" with ``draft``, an artifact) drafts ``num_draft_tokens``
     per step for every request (docs/decoding.md).
     """
     if (artifact is None) == (engine is None):
         raise InputError("the server needs an artifact directory or a loaded engine (one of them)")
     for name, value, low in (("max_batch", max_batch, 1), ("max_queue", max_queue, 0), ("prefill_chunk", prefill_chunk, 1),
-                             ("max_body_bytes", max_body_bytes, 1), ("prefix_cache_mb", prefix_cache_mb, 0)):
+                             ("max_body_bytes", max_body_bytes, 1), ("prefix_cache_mb", 0 if prefix_cache_mb is None else prefix_cache_mb, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -78,7 +81,11 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
         check_speculative(speculative, draft, num_draft_tokens)
         load_drafter = lambda target: make_drafter(speculative, target, num_draft_tokens, draft,  # noqa: E731
                                                    backend=backend, threads=threads)
-    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_cache_mb << 20, load_drafter).start()
+    if prefix_cache_mb is None:
+        prefix_bytes = default_prefix_bytes(engine.manifest if engine is not None else manifest, max_batch)
+    else:
+        prefix_bytes = prefix_cache_mb << 20
+    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_bytes, load_drafter).start()
     return Service(scheduler, name, key, keepalive_s, max_body_bytes)
 
 
@@ -121,6 +128,11 @@ class BaseService:
     def health(self) -> dict:
         return {"status": "ok"}
 
+    def drain(self, timeout: float) -> bool:
+        """Graceful shutdown. Embedding requests are short and run to the end as they are; the
+        generation Service overrides this to end queued and overlong work cleanly."""
+        return True
+
     def wait_loaded(self) -> None:
         """Block until the model has loaded; re-raise its load error (the CLI prints one line)."""
         self.worker.settled.wait()
@@ -149,7 +161,7 @@ class BaseService:
         return ApiError(400, f"model '{self.model_name}' ({self.kind}) does not serve {endpoint}; "
                              f"it serves {', '.join(self.endpoints)}", code="unsupported_endpoint")
 
-    def generate(self, raw: bytes, chat: bool):
+    def generate(self, raw: bytes, chat: bool, client_gone: Callable[[], bool] | None = None):
         raise self.wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
 
     def embed(self, raw: bytes):
@@ -161,6 +173,37 @@ class Service(BaseService):
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         super().__init__(scheduler, model_name, api_key, keepalive_s, max_body_bytes)
         self.scheduler = scheduler
+        self.draining = threading.Event()  # set on SIGTERM: admit nothing new
+        self._inflight = 0  # generation answers not yet fully sent (guarded by _lock)
+        self._lock = threading.Lock()
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def drain(self, timeout: float) -> bool:
+        """Graceful shutdown: refuse new requests (503, /ready false), end queued ones with a clean
+        error, let running ones finish for up to ``timeout`` s, end the rest, and wait until every
+        answer has been sent. True when nothing had to be cut."""
+        self.draining.set()
+        self.scheduler.shed("the server is shutting down; retry on another instance")
+        deadline = time.monotonic() + timeout
+        while self.scheduler.counts() != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        clean = self.scheduler.counts() == (0, 0)
+        if not clean:
+            self.scheduler.shed(f"the server is shutting down (drain timeout {timeout:g} s)", running=True)
+        last_words = time.monotonic() + max(self.keepalive_s, 2.0)  # handlers write their final events
+        while self.inflight and time.monotonic() < last_words:
+            time.sleep(0.05)
+        return clean
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return self._inflight
+
+    def _opened(self, delta: int) -> None:
+        with self._lock:
+            self._inflight += delta
 
     # -- checks --------------------------------------------------------------------------------
 
@@ -168,20 +211,28 @@ class Service(BaseService):
         self.check_loaded()
         return self.scheduler.engine
 
+    def check_admitting(self) -> None:
+        if self.draining.is_set():
+            raise ApiError(503, "the server is shutting down; retry on another instance", code="server_shutting_down",
+                           retry_after=RETRY_AFTER_S)
+
     # -- endpoints -----------------------------------------------------------------------------
 
     def ready(self) -> dict:
         """/ready: 200 once the model is loaded and the scheduler runs, else a 503 ApiError."""
         self.engine()
+        self.check_admitting()
         running, waiting = self.scheduler.counts()
         return {"status": "ready", "model": self.model_name, "running": running, "waiting": waiting}
 
     def max_model_len(self) -> int | None:
         return self.scheduler.engine.max_seq_len if self.scheduler.engine is not None else None
 
-    def generate(self, raw: bytes, chat: bool) -> dict | "EventStream":
-        """A completion: the whole answer as a dict, or an EventStream of SSE text."""
+    def generate(self, raw: bytes, chat: bool, client_gone: Callable[[], bool] | None = None) -> dict | "EventStream":
+        """A completion: the whole answer as a dict, or an EventStream of SSE text. ``client_gone``
+        tells a whole answer's wait that nobody will read it (a stream learns that on its own)."""
         self.check_size(raw)
+        self.check_admitting()
         engine = self.engine()
         job = parse_job(raw, chat, engine, self.model_name)
         seqs = [Sequence(job.prompts[i // job.n], p, engine.tokenizer, engine.max_seq_len) for i, p in enumerate(job.params)]
@@ -197,22 +248,32 @@ class Service(BaseService):
             raise ApiError(429, f"server is busy ({exc}); retry later", code="queue_full",
                            retry_after=RETRY_AFTER_S) from None
         responder = Responder(job, self.model_name)
+        self._opened(+1)
         if job.stream:
             return EventStream(self, ticket, job, responder)
-        return responder.response(self._collect(ticket, len(seqs)))
+        try:
+            return responder.response(self._collect(ticket, len(seqs), client_gone))
+        finally:
+            self._opened(-1)
 
-    def _collect(self, ticket: Ticket, k: int) -> list[ChoiceResult]:
+    def _collect(self, ticket: Ticket, k: int, client_gone: Callable[[], bool] | None) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in range(k)]
-        pending = k
+        pending, checked = k, time.monotonic()
         while pending:
+            if client_gone is not None and time.monotonic() - checked > CLIENT_CHECK_S:
+                checked = time.monotonic()
+                if client_gone():
+                    self.scheduler.cancel(ticket)
+                    raise ApiError(499, "the client closed the connection", code="client_closed_request")
             try:
-                u = ticket.updates.get(timeout=1.0)
+                u = ticket.updates.get(timeout=CLIENT_CHECK_S)
             except queue.Empty:
                 if not self.scheduler.alive:
                     raise ApiError(503, "the engine stopped", code="engine_stopped") from None
                 continue
             if isinstance(u, Failure):
-                raise ApiError(500, u.message, code="generation_failed")
+                code = "server_shutting_down" if u.status == 503 else "generation_failed"
+                raise ApiError(u.status, u.message, code=code, retry_after=RETRY_AFTER_S if u.status == 503 else None)
             results[u.index].add(u)
             pending -= u.finish_reason is not None
         return results
@@ -228,6 +289,7 @@ class EventStream:
     def __init__(self, service: Service, ticket: Ticket, job: Job, responder: Responder):
         self.service, self.ticket, self.job, self.responder = service, ticket, job, responder
         self.complete = False
+        self._closed = False
         self._events = self._generate()
 
     def __iter__(self) -> Iterator[str]:
@@ -237,6 +299,9 @@ class EventStream:
         return next(self._events)
 
     def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.service._opened(-1)
         if not self.complete:
             self.service.scheduler.cancel(self.ticket)
         try:
@@ -260,7 +325,9 @@ class EventStream:
                     continue
             if isinstance(u, Failure):
                 self.complete = True
-                yield sse({"error": {"message": u.message, "type": "server_error", "param": None, "code": "generation_failed"}})
+                code = "server_shutting_down" if u.status == 503 else "generation_failed"
+                yield sse({"error": {"message": u.message, "type": "server_error", "param": None, "code": code}})
+                yield sse("[DONE]")  # the stream ends cleanly: clients tell this from a dropped connection
                 return
             tokens[u.index], cached[u.index] = u.tokens, u.cached_tokens
             if u.text or u.logprobs:

@@ -1,22 +1,21 @@
-"""A real llmx server on a loopback port, in a thread of the test process (werkzeug's threaded
-server, as ``llmx serve`` runs it): tests talk to it through a real socket."""
+"""A real llmx server on a loopback port, in a thread of the test process (the bounded threaded
+server ``llmx serve`` runs, serve/http_server.py): tests talk to it through a real socket."""
 
 from __future__ import annotations
 
 import threading
 
-from werkzeug.serving import make_server
-
 from llmx.serve import create_app
+from llmx.serve.http_server import make_server
 
 
 class LiveServer:
-    def __init__(self, **app_options):
+    def __init__(self, timeout: float = 30.0, max_connections: int = 256, **app_options):
         self.app = create_app(**app_options)
         self.service = self.app.extensions["llmx"]
         self.worker = self.service.worker  # a Scheduler (decoders) or an EmbeddingBatcher (encoders)
         self.scheduler = getattr(self.service, "scheduler", None)
-        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
+        self.server = make_server("127.0.0.1", 0, self.app, timeout=timeout, max_connections=max_connections)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

@@ -149,7 +149,7 @@ def test_cli_generate_with_beams(llama_artifact, models, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--num-beams", "2", "--top-k", "5"], "beam search"),
-    (["--num-beams", "2", "--stop", "x"], "stop strings"),
+    (["--num-beams", "2", "--stop", "x"], "'stop' is not supported with beam search"),
     (["--num-beams", "2", "--speculative", "ngram"], "speculative"),
     (["--num-beams", "0"], "num_beams"),
     (["--length-penalty", "2"], "--num-beams"),

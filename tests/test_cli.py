@@ -141,7 +141,7 @@ def test_generate_bad_sampling_values(llama_artifact, args, words, capsys):
 
 def test_generate_prompt_longer_than_the_model(llama_artifact, capsys):
     code, _, err = run(["generate", str(llama_artifact), "x = 1\n" * 300], capsys)
-    assert code != 0 and "maximum sequence length" in error_line(err)
+    assert code == 2 and "maximum context length is" in error_line(err)
 
 
 def test_generate_on_a_non_artifact(tmp_path, capsys):

@@ -124,7 +124,7 @@ def test_engine_limits_are_clear_errors(built, device):
     with pytest.raises(InputError, match="--max-batch 4"):
         trt.backend.new_cache(5, 16)
     assert trt.max_seq_len == 128
-    with pytest.raises(InputError, match="maximum sequence length is 128"):
+    with pytest.raises(InputError, match="maximum context length is 128"):
         trt.generate(["word " * 200], SamplingParams(max_new_tokens=2))
 
 

@@ -5,6 +5,8 @@ only slow things down (quantized kernels) or cannot apply (other backends)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from checkpoints import make_checkpoint
-from llmx.errors import InputError
+from llmx.errors import ArtifactError, InputError
 from llmx.manifest import load_manifest
 from llmx.runtime.onnx_backend import OrtBackend
 from test_cli import error_line, run
@@ -119,3 +121,39 @@ def test_server_loads_its_engine_in_low_memory_mode(llama_artifact):
         assert service.engine().backend.low_memory is True
     finally:
         service.scheduler.stop()
+
+
+_TRUNCATE = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from llmx.manifest import load_manifest
+    from llmx.runtime.onnx_backend import OrtBackend
+    from llmx.errors import ArtifactError
+
+    art = sys.argv[1]
+    backend = OrtBackend(art, load_manifest(art), threads=1, low_memory=True)
+    cache = backend.new_cache(1, 16)
+    first = backend.prefill(cache, [0], [[1, 2, 3]])
+    weights = os.path.join(art, "weights.bin")
+    os.truncate(weights, os.path.getsize(weights) // 3)  # an artifact overwritten in place, under the server
+    try:
+        backend.decode(cache, np.array([[int(first[0].argmax())]]))
+    except ArtifactError as exc:
+        print("refused:", exc)
+""")
+
+
+def test_a_weights_file_truncated_under_a_low_memory_backend_is_an_error_not_sigbus(llama_artifact, tmp_path):
+    copy = tmp_path / "art"
+    shutil.copytree(llama_artifact, copy)
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATE, str(copy)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-500:])  # -7 is SIGBUS
+    assert "refused: weights.bin changed size under --low-memory" in proc.stdout
+
+
+def test_a_truncated_weights_file_is_refused_at_load(llama_artifact, tmp_path):
+    copy = tmp_path / "art"
+    shutil.copytree(llama_artifact, copy)
+    os.truncate(copy / "weights.bin", (copy / "weights.bin").stat().st_size // 2)
+    with pytest.raises(ArtifactError, match="out of bounds"):
+        _backend(copy, low_memory=True)

@@ -162,3 +162,19 @@ def test_prefix_cache_off_reports_zero(llama_artifact):
             out = client.completions.create(model="llama", prompt=SYSTEM * 2, max_tokens=2, temperature=0)
             assert out.usage.prompt_tokens_details.cached_tokens == 0
         assert live.scheduler.prefix_cache is None
+
+
+def test_the_default_size_follows_the_model_not_a_fixed_256_mb(llama_artifact):
+    from llmx.manifest import load_manifest
+    from llmx.serve.prefix_cache import DEFAULT_CAP_BYTES, default_bytes
+    from llmx.serve.service import build_service
+
+    manifest = load_manifest(llama_artifact)
+    kv = manifest.kv
+    per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * 4  # fp32 K and V
+    service = build_service(llama_artifact, threads=1, max_batch=3)
+    try:
+        assert service.scheduler.prefix_cache.max_bytes == 3 * manifest.max_seq_len * per_token < DEFAULT_CAP_BYTES
+    finally:
+        service.scheduler.stop()
+    assert default_bytes(manifest, 10**6) == DEFAULT_CAP_BYTES  # a big batch of a big model stays bounded

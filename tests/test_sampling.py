@@ -83,7 +83,7 @@ def test_greedy_is_argmax():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0),
+    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("temperature", 5.0),
      ("max_new_tokens", 0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("temperature", float("nan")),
      ("logprobs", 50), ("stop", [""])],
 )

@@ -52,8 +52,15 @@ def check_answers(base_url: str, model: str, engine) -> None:
     assert out.choices[0].text == ref.text
     chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True)
     assert [c.choices[0].finish_reason for c in chunks][-1] in ("stop", "length")
-    bad = requests.post(base_url + "/v1/completions", data=b"{not json", timeout=10)
+    json_type = {"Content-Type": "application/json"}
+    bad = requests.post(base_url + "/v1/completions", data=b"{not json", headers=json_type, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    untyped = requests.post(base_url + "/v1/completions", data=b'{"prompt": "def"}', timeout=10)
+    assert untyped.status_code == 415 and untyped.json()["error"]["code"] == "unsupported_media_type"
+    over = b'{"prompt": "' + b"x" * (1 << 20) + b'"}'
+    chunked = requests.post(base_url + "/v1/completions", data=iter([over[:1000], over[1000 : (1 << 20) + 1]]),
+                            headers=json_type, timeout=30)
+    assert chunked.status_code == 413
 
 
 def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:

@@ -1,6 +1,8 @@
-"""Fuzzing the HTTP API with hypothesis: hundreds of malformed requests (bad JSON, wrong types,
-out-of-range values, unknown fields, bad keys, oversized bodies, wrong routes) through a real
-socket. Every one must get a 4xx with an OpenAI-shaped error, and the server must still answer.
+"""Fuzzing the HTTP API with hypothesis. Through a real socket: hundreds of malformed requests
+(bad JSON, wrong types, out-of-range values, unknown fields, bad keys, oversized bodies, wrong
+routes, wrong content types), each a 4xx with an OpenAI-shaped error. In process (Flask's test
+client, for volume): over a thousand requests putting JSON of every type in every field, invalid
+UTF-8, lone surrogates, huge numbers and deep nesting: never a 5xx. The server must still answer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hypothesis import strategies as st
 from live_server import LiveServer
 
 KEY = "fuzz-key"
+JSON_HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 MAX_BODY = 4096
 GOOD = {
     "/v1/completions": {"model": "llama", "prompt": "def", "max_tokens": 2},
@@ -88,7 +91,7 @@ FIELDS = {
 def bad_field(draw):
     path = draw(st.sampled_from(sorted(FIELDS)))
     field = draw(st.sampled_from(sorted(FIELDS[path])))
-    return "POST", path, {"Authorization": f"Bearer {KEY}"}, json.dumps({**GOOD[path], field: draw(FIELDS[path][field])}).encode()
+    return "POST", path, JSON_HEADERS, json.dumps({**GOOD[path], field: draw(FIELDS[path][field])}).encode()
 
 
 @st.composite
@@ -102,7 +105,7 @@ def bad_document(draw):
         st.integers(min_value=MAX_BODY + 1, max_value=4 * MAX_BODY).map(lambda n: json.dumps({**GOOD[path], "user": "x" * n}).encode()),
         st.integers(min_value=10, max_value=2000).map(lambda depth: b"[" * depth + b"]" * depth),  # deep nesting
     ))
-    return "POST", path, {"Authorization": f"Bearer {KEY}"}, body
+    return "POST", path, JSON_HEADERS, body
 
 
 @st.composite
@@ -110,12 +113,15 @@ def bad_request_line(draw):
     # Printable, no spaces: never "Bearer <key>".
     auth = draw(st.one_of(st.none(), st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=20)))
     path = draw(st.sampled_from(sorted(FIELDS)))
-    headers = {} if auth is None else {"Authorization": auth}
+    headers = {"Content-Type": "application/json"} if auth is None else {"Authorization": auth, "Content-Type": "application/json"}
     if draw(st.booleans()):
         return "POST", path, headers, json.dumps(GOOD[path]).encode()  # wrong or missing key
+    if draw(st.booleans()):
+        content_type = draw(st.sampled_from(["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", ""]))
+        return "POST", path, {**JSON_HEADERS, "Content-Type": content_type}, json.dumps(GOOD[path]).encode()
     method, where = draw(st.sampled_from([("GET", path), ("PUT", path), ("DELETE", "/v1/models"), ("POST", "/health"),
                                           ("GET", "/v1/nothing"), ("POST", "/v1/embeddings")]))
-    return method, where, {"Authorization": f"Bearer {KEY}"}, b"{}"
+    return method, where, JSON_HEADERS, b"{}"
 
 
 def _parses(raw: bytes) -> bool:
@@ -153,7 +159,72 @@ def test_malformed_requests_get_openai_4xx_and_the_server_survives(server):
 
     check()
     assert len(answered) >= 200
-    assert {400, 401, 404, 405, 413} <= set(answered), sorted(set(answered))
+    assert {400, 401, 404, 405, 413, 415} <= set(answered), sorted(set(answered))
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert_healthy(server)
+
+
+def assert_healthy(server) -> None:
     ok = requests.post(server.url + "/v1/completions", json=GOOD["/v1/completions"], headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
+    assert requests.get(server.url + "/ready", timeout=10).status_code == 200
+
+
+# -- any JSON in any field, through the app in process ------------------------------------------
+
+SURROGATE = st.integers(0xD800, 0xDFFF).map(chr)
+any_text = st.one_of(st.text(max_size=12), st.lists(st.one_of(st.characters(), SURROGATE), max_size=6).map("".join))
+extreme = st.sampled_from([10**100, -10**100, 2**63, 2**64, -1, 0, 1e308, -1e308, 5e-324, 1e400, -0.0, 10**4000])
+any_json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), any_text, extreme),
+                        lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(any_text, inner, max_size=3)),
+                        max_leaves=12)
+deep = st.integers(min_value=50, max_value=5000).map(lambda depth: "[" * depth + "1" + "]" * depth)
+ALL_FIELDS = {path: sorted(fields) + ["messages" if "chat" in path else "prompt", "max_tokens"] for path, fields in FIELDS.items()}
+
+
+@st.composite
+def any_value_anywhere(draw):
+    """GOOD with one field (or several) set to arbitrary JSON, in text or bytes the parser must judge."""
+    path = draw(st.sampled_from(sorted(FIELDS)))
+    body = dict(GOOD[path])
+    for field in draw(st.lists(st.sampled_from(ALL_FIELDS[path]), min_size=1, max_size=3)):
+        body[field] = draw(any_json)
+    if draw(st.integers(0, 3)) == 0:  # text the tokenizer cannot take, where text goes
+        bad = draw(st.text(max_size=4)) + draw(SURROGATE) + draw(st.text(max_size=4))
+        where = draw(st.sampled_from(["prompt", "prompts", "content", "parts", "stop"]))
+        if "chat" in path:
+            content = [{"type": "text", "text": bad}] if where == "parts" else bad
+            body["messages"] = [{"role": "user", "content": content}] if where != "stop" else body["messages"]
+        else:
+            body["prompt"] = ["ok", bad] if where == "prompts" else bad
+        body["stop"] = bad if where == "stop" else body.get("stop")
+    raw = json.dumps(body, allow_nan=True)  # 1e400 is written as Infinity, big ints in full
+    how = draw(st.sampled_from(["as is", "deep", "invalid utf-8", "raw surrogate"]))
+    if how == "deep":
+        raw = raw[:-1] + f', "{draw(st.sampled_from(ALL_FIELDS[path]))}": {draw(deep)}}}'
+    data = raw.encode()
+    if how == "invalid utf-8":
+        data = data.replace(b'"max_tokens"', b'"max_tokens\xff\xfe"'.decode("unicode_escape").encode("latin-1"), 1)
+    if how == "raw surrogate":
+        data = data[:-1] + b', "user": "\xed\xa0\x80"}'.decode("unicode_escape").encode("latin-1")
+    return path, body, data
+
+
+def test_any_json_in_any_field_never_gets_a_5xx(server):
+    client = server.app.test_client()
+    statuses: list[int] = []
+
+    @settings(max_examples=1100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(any_value_anywhere())
+    def check(case):
+        path, body, data = case
+        response = client.post(path, data=data, headers=JSON_HEADERS)
+        statuses.append(response.status_code)
+        assert response.status_code < 500, (response.status_code, response.get_data()[:300], data[:300])
+        if response.status_code != 200:
+            error = response.get_json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+
+    check()
+    assert len(statuses) >= 1000 and statuses.count(200) < len(statuses) / 2, sorted(set(statuses))
+    assert_healthy(server)

@@ -1,4 +1,40 @@
+import threading
+import time
+
 import click
+
+# Export's slow phases (tracing each graph, writing weights) report nothing on their own for
+# minutes on a real model: a line at least this often says it is still working.
+HEARTBEAT_S = 15.0
+
+
+class Progress:
+    """Export's log lines with the elapsed time, and a heartbeat line during a long silence."""
+
+    def __init__(self, echo=lambda msg: click.echo(msg, err=True)):
+        self.echo, self.start, self.phase = echo, time.monotonic(), "starting"
+        self._said = self.start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="llmx-export-progress", daemon=True)
+
+    def __call__(self, msg: str) -> None:
+        self.phase, self._said = msg, time.monotonic()
+        self.echo(f"[{self._said - self.start:6.1f} s] {msg}")
+
+    def __enter__(self) -> "Progress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(1.0, HEARTBEAT_S)):
+            now = time.monotonic()
+            if now - self._said >= HEARTBEAT_S:
+                self._said = now
+                self.echo(f"[{now - self.start:6.1f} s] ... still {self.phase[:1].lower()}{self.phase[1:]}")
 
 
 def register(cli: click.Group) -> None:
@@ -16,10 +52,11 @@ def register(cli: click.Group) -> None:
         manifest (llmx.json) come along. Families (config.json's model_type): llama, mistral,
         qwen2, gpt2, qwen3, gemma, gemma2, gemma3_text, granite, olmo2, smollm3, phi3, phi,
         gpt_neox, stablelm, starcoder2, mixtral, qwen3_moe;
-        encoders: bert.
+        encoders: bert. Progress goes to stderr, a line per phase with the elapsed time
+        (docs/export.md).
         """
         from llmx.export import export_checkpoint
 
-        log = lambda msg: click.echo(msg, err=True)  # noqa: E731
-        manifest = export_checkpoint(checkpoint, output, verify=verify, all_logits=all_logits, force=force, log=log)
-        click.echo(f"wrote {output} ({manifest.model.family}, {len(manifest.graphs)} graphs)", err=True)
+        with Progress() as log:
+            manifest = export_checkpoint(checkpoint, output, verify=verify, all_logits=all_logits, force=force, log=log)
+            log(f"wrote {output} ({manifest.model.family}, {len(manifest.graphs)} graphs)")

@@ -7,17 +7,13 @@ import click
 from llmx.commands.options import backend_options, check_speculative_options, speculative_options
 from llmx.errors import InputError
 
-# Sampling options that beam search (deterministic, scored with the model's own logprobs) cannot honour.
-NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "logprobs", "stop")
-
 
 def register(cli: click.Group) -> None:
     @cli.command("generate")
     @click.argument("artifact", type=click.Path(path_type=str))
     @click.argument("prompt")
     @click.option("--max-new-tokens", type=int, default=64, show_default=True, help="Tokens to generate at most.")
-    @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 means greedy.")
+    @click.option("--temperature", type=float, default=1.0, show_default=True, help="0 means greedy; at most 2.")
     @click.option("--top-k", type=int, default=0, show_default=True, help="0 disables.")
     @click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling: keep the most likely tokens up to this mass.")
     @click.option("--min-p", type=float, default=0.0, show_default=True, help="Drop tokens less likely than this fraction of the top token.")
@@ -58,8 +54,8 @@ def register(cli: click.Group) -> None:
         from llmx.runtime.sampling import SamplingParams
 
         check_speculative_options(ctx, speculative)
+        params = SamplingParams(**{**sampling, "stop": list(sampling["stop"])}).validate()  # the server's ranges
         beams = _beam_params(ctx, num_beams, length_penalty, early_stopping, speculative, sampling)
-        params = SamplingParams(**{**sampling, "stop": list(sampling["stop"])}).validate()
         engine = Engine.load(artifact, backend=backend, **engine_options(backend, threads, low_memory))
         text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
         ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
@@ -76,6 +72,7 @@ def register(cli: click.Group) -> None:
 def _beam_params(ctx, num_beams: int, length_penalty: float, early_stopping: str, speculative, sampling: dict):
     """BeamParams for --num-beams > 1 (refusing options beam search cannot honour), else None."""
     from llmx.runtime.beam import BeamParams
+    from llmx.runtime.params import check_beam_compatible
 
     given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE  # noqa: E731
     if num_beams == 1:
@@ -85,11 +82,7 @@ def _beam_params(ctx, num_beams: int, length_penalty: float, early_stopping: str
         return None
     if speculative:
         raise InputError("beam search and speculative decoding do not combine: drop --speculative or --num-beams")
-    for name in NOT_FOR_BEAMS:
-        if given(name):
-            what = "stop strings are" if name == "stop" else f"--{name.replace('_', '-')} is"
-            raise InputError(f"{what} not supported with beam search (it is deterministic and scores with the "
-                             "model's own log-probabilities)")
+    check_beam_compatible(sampling)  # --temperature 0 (greedy) is fine: beam search is deterministic
     stopping = {"true": True, "false": False}.get(early_stopping, early_stopping)
     return BeamParams(num_beams=num_beams, max_new_tokens=sampling["max_new_tokens"], length_penalty=length_penalty,
                       early_stopping=stopping, ignore_eos=sampling["ignore_eos"]).validate()

@@ -5,7 +5,7 @@ import click
 
 from llmx.artifact_paths import artifact_file
 from llmx.errors import ArtifactError
-from llmx.manifest import load_manifest, verify_checksums
+from llmx.manifest import MANIFEST_NAME, load_manifest, verify_checksums
 
 
 def _size(n: int) -> str:
@@ -22,7 +22,11 @@ def register(cli: click.Group) -> None:
     @click.option("--json", "as_json", is_flag=True, help="Print the manifest and file sizes as JSON.")
     @click.option("--check", is_flag=True, help="Verify every file's sha256 against the manifest.")
     def inspect(artifact: Path, as_json: bool, check: bool) -> None:
-        """Show what an artifact holds: model, graphs and their IO, files, precision, lineage."""
+        """Show what an artifact holds: model, graphs and their IO, files, precision, lineage.
+
+        ARTIFACT is the artifact directory or its manifest (ART/llmx.json)."""
+        if artifact.name == MANIFEST_NAME and artifact.is_file():
+            artifact = artifact.parent
         manifest = load_manifest(artifact)
         paths = {rel: artifact_file(artifact, rel, "checksums key") for rel in manifest.checksums}
         sizes = {rel: path.stat().st_size for rel, path in paths.items() if path.is_file()}

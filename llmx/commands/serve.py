@@ -1,4 +1,6 @@
+import signal
 import socket
+import threading
 
 import click
 
@@ -32,13 +34,21 @@ def register(cli: click.Group) -> None:
     @click.option("--quiet", is_flag=True, help="No per-request access log lines.")
     @click.option("--spin/--no-spin", default=False, show_default=True,
                   help="Let ONNX Runtime threads busy-wait between operators (only on cores the HTTP threads do not need).")
-    @click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=256, show_default=True,
-                  help="KV memory for reusing shared prompt prefixes across requests (0 turns it off).")
+    @click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=None,
+                  help="KV memory for reusing shared prompt prefixes across requests (0 turns it off; default: "
+                       "the KV of --max-batch full-context sequences, at most 256).")
+    @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+                  help="On SIGTERM/SIGINT: seconds running requests may take to finish (queued ones end at once).")
+    @click.option("--http-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+                  help="Seconds a connection may stay silent, and a request body may take to arrive.")
+    @click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
+                  help="Connections served at once (one thread each); more get 503 with Retry-After.")
     @speculative_options
     @backend_options
     @click.pass_context
     def serve(ctx, artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
-              prefix_cache_mb, speculative, draft, num_draft_tokens, backend, threads, low_memory):
+              prefix_cache_mb, drain_timeout, http_timeout, max_connections, speculative, draft, num_draft_tokens, backend,
+              threads, low_memory):
         """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
         
@@ -46,17 +56,18 @@ def register(cli: click.Group) -> None:
         Encoder artifacts: /v1/embeddings. Both: /v1/models, /health, /ready, /metrics.
 
         \b
-        One engine per process; requests are batched continuously. For production run the
-        same app under gunicorn (docs/serving.md): gunicorn 'llmx.serve:create_app("./art")'
+        One engine per process; requests are batched continuously. SIGTERM or Ctrl-C drains:
+        new requests get 503, queued ones end with an error, running ones get --drain-timeout
+        seconds, then the process exits 0. For many clients run the same app under gunicorn
+        (docs/serving.md): gunicorn 'llmx.serve:create_app("./art")' -c deploy/gunicorn.conf.py
         """
         import logging
 
         from llmx.errors import require
 
         require("flask", "llmx serve", "serve")
-        from werkzeug.serving import make_server
-
         from llmx.serve import create_app
+        from llmx.serve.http_server import make_server
 
         check_speculative_options(ctx, speculative)
         listener = _listen(host, port)  # a busy port fails before the model loads
@@ -73,13 +84,37 @@ def register(cli: click.Group) -> None:
             raise
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         logging.getLogger("werkzeug").setLevel(logging.WARNING if quiet else logging.INFO)
-        server = make_server(host, port, app, threaded=True, fd=listener.fileno())  # werkzeug dups the fd
+        server = make_server(host, port, app, timeout=http_timeout, max_connections=max_connections,
+                             fd=listener.fileno())  # werkzeug dups the fd
         listener.close()
         auth = "API key required" if service.api_key else "no API key"
         click.echo(f"serving {service.model_name} on http://{host}:{server.socket.getsockname()[1]}/v1 "
                    f"(max batch {max_batch}, queue {max_queue}, {auth}); Ctrl-C stops", err=True)
+        _drain_on_signals(server, service, drain_timeout)
         try:
             server.serve_forever()
         finally:
             server.server_close()
-            service.scheduler.stop()
+            if hasattr(service.worker, "stop"):  # the scheduler; the embedding batcher's thread is a daemon
+                service.worker.stop()
+
+
+def _drain_on_signals(server, service, timeout: float) -> None:
+    """SIGTERM/SIGINT start a drain in a thread (serve_forever keeps answering, with 503s for new
+    work); when it is over the server stops and ``llmx serve`` exits 0. A second signal ends at once."""
+
+    def drain_then_stop():
+        try:
+            clean = service.drain(timeout)
+            click.echo("drained" if clean else f"drain timeout ({timeout:g} s): running requests were ended", err=True)
+        finally:
+            server.shutdown()
+
+    def on_signal(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        click.echo(f"{signal.Signals(signum).name}: draining (up to {timeout:g} s; again to stop now)", err=True)
+        threading.Thread(target=drain_then_stop, name="llmx-drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
