@@ -14,6 +14,11 @@ def register(cli: click.Group) -> None:
         \b
         Decoders (Llama, Mistral, Qwen2, GPT-2) become prefill.onnx + decode.onnx sharing
         weights.bin; the tokenizer and a manifest (llmx.json) come along.
+
+        \b
+        CHECKPOINT may also be a GGUF file (or a directory holding one): llama and qwen2
+        architectures; Q8_0/Q4_0/Q4_1 weights stay in their blocks (MatMulNBits), other
+        types are dequantized to float32 (docs/export.md).
         """
         from llmx.export import export_checkpoint
 
