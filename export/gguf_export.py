@@ -8,8 +8,7 @@ Every tensor is dequantized for the torch export; then each linear layer whose G
 are all Q8_0, or all Q4_0/Q4_1, gets its MatMul swapped for MatMulNBits holding the file's
 own blocks, so the artifact computes with exactly the weights llama.cpp would (no second
 rounding). Other types (K-quants, F16, ...) stay as their float32 dequantization and the
-manifest says so. ``dequantize=True`` keeps every weight float32 (the reference the tests
-compare the quantized artifact with).
+manifest says so.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ def export_gguf(
     verify: bool = False,
     all_logits: bool = False,
     force: bool = False,
-    dequantize: bool = False,
     log: Callable[[str], None] = lambda msg: None,
 ) -> Manifest:
     """Export the GGUF file ``path`` to an artifact directory; returns its manifest."""
@@ -55,7 +53,7 @@ def export_gguf(
     spec = spec_from_hf_config(source.config())
     log(f"loading {spec.family} weights from GGUF {path.name} ({spec.num_layers} layers, hidden {spec.hidden_size})")
     model = build_model(spec, map_weights(spec, source.hf_weights(spec.num_heads, spec.num_kv_heads)))
-    blocks = {} if dequantize else quantized_linears(source, spec)
+    blocks = quantized_linears(source, spec)
     with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-gguf-") as scratch:
         tokenizer = package_gguf_tokenizer(source.field, tmp)
         log("exporting prefill and decode graphs")
@@ -70,10 +68,9 @@ def export_gguf(
             log(f"MatMulNBits from the GGUF's own blocks for {len(blocks)} weights")
             manifest.graphs, manifest.precision = _write_quantized(fp32_dir, tmp, blocks)
         manifest.lineage = [{"stage": "export", "source": str(path), "format": "gguf"}]
-        manifest.extras["gguf"] = _record(source, blocks, dequantize)
-        kept = ", ".join(f"{k} ({v})" for k, v in manifest.extras["gguf"]["dequantized"].items())
-        if kept:
-            log(f"dequantized to float32: {kept}")
+        manifest.extras["gguf"] = _record(source, blocks)
+        if dequantized := manifest.extras["gguf"]["dequantized"]:
+            log("dequantized to float32: " + ", ".join(f"{name} ({kind})" for name, kind in dequantized.items()))
         finish(tmp, manifest)
     return manifest
 
@@ -108,12 +105,12 @@ def _blocks(source: GGUFSource, names: list[str], spec) -> Blocks | None:
 def _write_quantized(fp32_dir: Path, tmp: Path, blocks: dict[str, Blocks]):
     from llmx.onnx_files import describe_graph, load_graph, save_graphs
 
-    graphs, swapped = {}, set()
+    by_initializer = {f"model.{k}": v for k, v in blocks.items()} | blocks  # the exporter may prefix "model."
+    graphs = {}
     for name in ("prefill", "decode"):
-        graph = load_graph(fp32_dir / f"{name}.onnx")
-        by_initializer = {f"model.{k}": v for k, v in blocks.items()} | blocks
-        swapped.update(replace_matmuls(graph, by_initializer, ACCURACY_LEVEL))
-        graphs[name] = graph
+        graphs[name] = load_graph(fp32_dir / f"{name}.onnx")
+        if len(replace_matmuls(graphs[name], by_initializer, ACCURACY_LEVEL)) != len(blocks):
+            raise RuntimeError(f"{name}.onnx: not every quantized GGUF weight was found as a MatMul weight")
     save_graphs(graphs, tmp, sources={name: fp32_dir for name in graphs})
     described = {name: describe_graph(g, f"{name}.onnx", ops="onnxruntime") for name, g in graphs.items()}
     bits = {b.bits for b in blocks.values()}
@@ -124,7 +121,7 @@ def _write_quantized(fp32_dir: Path, tmp: Path, blocks: dict[str, Blocks]):
     return described, precision
 
 
-def _record(source: GGUFSource, blocks: dict[str, Blocks], dequantize: bool) -> dict:
+def _record(source: GGUFSource, blocks: dict[str, Blocks]) -> dict:
     """The manifest's record of the GGUF: file, checksum, tensor types, what stayed quantized."""
     quantized = set()
     for ours in blocks:
@@ -133,7 +130,7 @@ def _record(source: GGUFSource, blocks: dict[str, Blocks], dequantize: bool) -> 
                    if n not in quantized and t.tensor_type.name not in ("F32",)}
     return {"file": source.path.name, "sha256": sha256_file(source.path), "architecture": source.architecture,
             "tensor_types": source.quant_types(), "kept_quantized": len(quantized),
-            "dequantized": dequantized, "dequantize_requested": dequantize}
+            "dequantized": dequantized}
 
 
 def _gguf_names(ours: str, source: GGUFSource) -> list[str]:

@@ -109,3 +109,44 @@ def dequantized(checkpoint: Path, qtype: str) -> dict[str, np.ndarray]:
         array = array.astype(np.float32)
         out[name] = gguf.quants.dequantize(gguf.quants.quantize(array, quant), quant) if array.ndim == 2 else array
     return out
+
+
+def write_tokenizer_gguf(out: Path, kind: str, checkpoint: Path | None = None) -> Path:
+    """A GGUF holding only tokenizer metadata: "gpt2" (the checkpoint's byte-level BPE) or
+    "llama" (a SentencePiece-style vocabulary: <unk>/<s>/</s>, <0xNN> byte pieces, scored pieces)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out), "llama")
+    if kind == "gpt2":
+        _add_tokenizer(writer, checkpoint)
+    else:
+        tokens, scores, types = _sentencepiece_vocab()
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _sentencepiece_vocab(size: int = 400) -> tuple[list[str], list[float], list[int]]:
+    import inspect
+    import textwrap
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    tok.train_from_iterator([inspect.getsource(textwrap)], trainers.BpeTrainer(vocab_size=size))
+    pieces = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda item: item[1])]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    return tokens, scores, types

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
-from gguf_files import dequantized, write_gguf  # noqa: E402
+from gguf_files import dequantized, write_gguf, write_tokenizer_gguf  # noqa: E402
 from test_cli import error_line, leftovers, run  # noqa: E402
 
 QTYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -32,15 +32,16 @@ def ggufs(store, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     made = {}
 
-    def get(qtype: str) -> tuple[Path, Path]:
-        if qtype not in made:
-            folder = root / qtype
+    def get(qtype: str, variant: str = "llama") -> tuple[Path, Path]:
+        key = f"{variant}-{qtype}"
+        if key not in made:
+            folder = root / key
             folder.mkdir()
-            path = write_gguf(store.checkpoint("llama"), folder / f"tiny-{qtype}.gguf", qtype)
+            path = write_gguf(store.checkpoint(variant), folder / f"tiny-{qtype}.gguf", qtype)
             # fp32 goes through the directory form: a folder holding exactly one .gguf.
-            export_checkpoint(folder if qtype == "F32" else path, root / f"art-{qtype}")
-            made[qtype] = path, root / f"art-{qtype}"
-        return made[qtype]
+            export_checkpoint(folder if qtype == "F32" else path, root / f"art-{key}")
+            made[key] = path, root / f"art-{key}"
+        return made[key]
 
     return get
 
@@ -68,14 +69,15 @@ def prompt_ids(artifact: Path) -> list[int]:
     return Tokenizer(artifact, load_manifest(artifact)).encode(PROMPT)
 
 
-def test_fp32_gguf_matches_transformers_on_the_original_checkpoint(ggufs, store):
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])  # llama: q/k rows permuted; qwen2: q/k/v biases, no permutation
+def test_fp32_gguf_matches_transformers_on_the_original_checkpoint(variant, ggufs, store):
     import torch
     import transformers
 
-    _, artifact = ggufs("F32")
+    _, artifact = ggufs("F32", variant)
     ids = prompt_ids(artifact)
     ours = prefill_logits(session(artifact), ids)
-    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint("llama")).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint(variant)).eval()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0, -1].numpy()
     assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
@@ -199,3 +201,21 @@ def test_directory_with_two_ggufs_is_refused(ggufs, tmp_path, capsys):
         shutil.copy(src, tmp_path / name)
     code, _, err = run(["export", str(tmp_path), "-o", str(tmp_path / "out")], capsys)
     assert code == 1 and "holds 2 .gguf files" in error_line(err)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])  # byte-level BPE; SentencePiece BPE with byte fallback
+def test_gguf_tokenizers_encode_and_decode_as_transformers_gguf_loader(kind, store, tmp_path):
+    import transformers
+    from tokenizers import Tokenizer
+
+    from llmx.export.gguf import GGUFSource
+    from llmx.export.gguf_tokenizer import package_gguf_tokenizer
+
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", kind, store.checkpoint("llama"))
+    package_gguf_tokenizer(GGUFSource(path, gguf.GGUFReader(str(path))).field, tmp_path)
+    ours = Tokenizer.from_file(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["import json\n  def f(x):\treturn x", " leading  spaces", "\u00fcn\u00efc\u00f6d\u00e9 \U0001f642 done", "</s>end"]:
+        ids = ours.encode(text).ids
+        assert ids == reference.encode(text), text
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
