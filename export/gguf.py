@@ -115,8 +115,8 @@ class GGUFSource:
             "num_key_value_heads": int(f(f"{arch}.attention.head_count_kv", heads)),
             "intermediate_size": int(need["feed_forward_length"]),
             "max_position_embeddings": int(need["context_length"]),
-            "rms_norm_eps": float(f(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(f(f"{arch}.rope.freq_base", 10000.0)),
+            "rms_norm_eps": _float32(f(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": _float32(f(f"{arch}.rope.freq_base", 10000.0)),
             "hidden_act": "silu",
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
@@ -136,7 +136,7 @@ class GGUFSource:
             raise CheckpointError(f"GGUF rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING)})")
         if ROPE_SCALING[kind] is None:
             return {}
-        scaling = {"rope_type": ROPE_SCALING[kind], "factor": float(f(f"{arch}.rope.scaling.factor", 1.0))}
+        scaling = {"rope_type": ROPE_SCALING[kind], "factor": _float32(f(f"{arch}.rope.scaling.factor", 1.0))}
         if (original := f(f"{arch}.rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = int(original)
         return {"rope_scaling": scaling}
@@ -185,6 +185,12 @@ class GGUFSource:
         for t in self.tensors.values():
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
         return counts
+
+
+def _float32(value: float) -> float:
+    # GGUF stores float32: 1e-6 reads back as 9.99999997e-07. The shortest decimal that is the
+    # same float32 is the value the checkpoint had.
+    return float(str(np.float32(value)))
 
 
 def open_gguf(path: Path) -> GGUFSource:

@@ -32,16 +32,15 @@ def ggufs(store, tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     made = {}
 
-    def get(qtype: str, variant: str = "llama") -> tuple[Path, Path]:
-        key = f"{variant}-{qtype}"
-        if key not in made:
-            folder = root / key
+    def get(qtype: str) -> tuple[Path, Path]:
+        if qtype not in made:
+            folder = root / qtype
             folder.mkdir()
-            path = write_gguf(store.checkpoint(variant), folder / f"tiny-{qtype}.gguf", qtype)
+            path = write_gguf(store.checkpoint("llama"), folder / f"tiny-{qtype}.gguf", qtype)
             # fp32 goes through the directory form: a folder holding exactly one .gguf.
-            export_checkpoint(folder if qtype == "F32" else path, root / f"art-{key}")
-            made[key] = path, root / f"art-{key}"
-        return made[key]
+            export_checkpoint(folder if qtype == "F32" else path, root / f"art-{qtype}")
+            made[qtype] = path, root / f"art-{qtype}"
+        return made[qtype]
 
     return get
 
@@ -69,18 +68,37 @@ def prompt_ids(artifact: Path) -> list[int]:
     return Tokenizer(artifact, load_manifest(artifact)).encode(PROMPT)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2"])  # llama: q/k rows permuted; qwen2: q/k/v biases, no permutation
-def test_fp32_gguf_matches_transformers_on_the_original_checkpoint(variant, ggufs, store):
+def test_fp32_gguf_matches_transformers_on_the_original_checkpoint(ggufs, store):
     import torch
     import transformers
 
-    _, artifact = ggufs("F32", variant)
+    _, artifact = ggufs("F32")  # llama: q/k rows permuted in the file
     ids = prompt_ids(artifact)
     ours = prefill_logits(session(artifact), ids)
-    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint(variant)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint("llama")).eval()
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0, -1].numpy()
     assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])  # qwen2: q/k/v biases, no row permutation
+def test_gguf_reads_as_the_checkpoint_it_was_written_from(variant, store, tmp_path):
+    """Same ModelSpec and the same tensors as the HF directory: the export path is then shared."""
+    from safetensors.numpy import load_file
+
+    from llmx.export.checkpoint import open_checkpoint
+    from llmx.export.gguf import open_gguf
+    from llmx.spec import spec_from_hf_config
+
+    checkpoint = open_checkpoint(store.checkpoint(variant))
+    source = open_gguf(write_gguf(checkpoint.path, tmp_path / "m.gguf"))
+    spec = spec_from_hf_config(source.config())
+    assert spec.to_dict() == checkpoint.spec.to_dict()
+    ours = source.hf_weights(spec.num_heads, spec.num_kv_heads)
+    theirs = load_file(str(checkpoint.path / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name, array in theirs.items():
+        np.testing.assert_array_equal(ours[name].numpy(), array, err_msg=name)
 
 
 def test_gguf_tokenizer_and_chat_template_match_the_checkpoints(ggufs, store):
@@ -171,8 +189,9 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_quantized_gguf_artifact_generates(ggufs, capsys):
-    _, artifact = ggufs("Q4_0")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantized_gguf_artifact_generates(qtype, ggufs, capsys):
+    _, artifact = ggufs(qtype)
     code, out, _ = run(["generate", str(artifact), "def f(x):", "--max-new-tokens", "6", "--json"], capsys)
     assert code == 0 and json.loads(out)["completion_tokens"] == 6
 
