@@ -176,7 +176,12 @@ class GGUFSource:
             array = self.float32(name)
             if (by := self.row_heads(name, heads, kv_heads)) is not None:
                 array = unpermute_rows(array, by)
-            out[self.hf_name(name)] = torch.from_numpy(np.ascontiguousarray(array))
+            if array.ndim == 2:
+                # Stored [in, out] (llmx's layout) and handed over as an [out, in] view: map_weights'
+                # transpose is then free instead of a second copy of every matrix.
+                out[self.hf_name(name)] = torch.from_numpy(np.ascontiguousarray(array.T)).t()
+            else:
+                out[self.hf_name(name)] = torch.from_numpy(np.ascontiguousarray(array))
         return out
 
     def quant_types(self) -> dict[str, int]:

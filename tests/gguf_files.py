@@ -41,7 +41,8 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", arch: str | None = None,
-               skip: tuple[str, ...] = ()) -> Path:
+               overrides: dict[str, str] | None = None) -> Path:
+    """``overrides``: GGUF tensor name -> its own type (a file mixing types, as llama.cpp's are)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -58,15 +59,15 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str = "F32", arch: str | None
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
     _add_tokenizer(writer, checkpoint)
-    quant = getattr(gguf.GGMLQuantizationType, qtype)
     for name, array in sorted(load_file(str(checkpoint / "model.safetensors")).items()):
         ours = gguf_name(name)
-        if ours.split(".")[-2] in skip:
-            continue
+        quant = getattr(gguf.GGMLQuantizationType, (overrides or {}).get(ours, qtype))
         array = array.astype(np.float32)
         if cfg["model_type"] == "llama" and (".attn_q." in ours or ".attn_k." in ours):
             array = permute(array, heads if ".attn_q." in ours else kv)
-        if array.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
+        if array.ndim == 2 and quant == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(ours, array.astype(np.float16))
+        elif array.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(ours, gguf.quants.quantize(array, quant), raw_dtype=quant)
         else:
             writer.add_tensor(ours, array)

@@ -183,6 +183,24 @@ def test_quantized_gguf_keeps_its_blocks_no_requantization_error(qtype, ggufs, s
     assert manifest.lineage[0]["format"] == "gguf"
 
 
+def test_mixed_types_keep_only_uniform_linears_quantized(store, tmp_path):
+    """A linear whose GGUF tensors mix types (or use another type) is dequantized, and recorded so."""
+    from llmx.export.gguf import open_gguf
+    from llmx.export.gguf_export import _record, quantized_linears
+    from llmx.spec import spec_from_hf_config
+
+    mixed = {"blk.0.attn_v.weight": "Q5_0", "blk.1.ffn_up.weight": "Q8_0", "output.weight": "F16"}
+    source = open_gguf(write_gguf(store.checkpoint("llama"), tmp_path / "mixed.gguf", "Q4_0", overrides=mixed))
+    blocks = quantized_linears(source, spec_from_hf_config(source.config()))
+    assert sorted(blocks) == ["layers.0.attn.o.weight", "layers.0.mlp.down.weight", "layers.0.mlp.up.weight",
+                              "layers.1.attn.o.weight", "layers.1.attn.qkv.weight", "layers.1.mlp.down.weight"]
+    record = _record(source, blocks)
+    assert record["dequantized"] == {
+        "token_embd.weight": "Q4_0", "output.weight": "F16", "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0",
+        "blk.0.attn_v.weight": "Q5_0", "blk.1.ffn_gate.weight": "Q4_0", "blk.1.ffn_up.weight": "Q8_0"}
+    assert record["tensor_types"] == {"Q4_0": 13, "Q5_0": 1, "Q8_0": 1, "F16": 1, "F32": 5}
+
+
 def _sha256(path: Path) -> str:
     import hashlib
 
