@@ -1,6 +1,6 @@
 """Exporting a 1.1B-parameter checkpoint: peak RSS and wall time of `llmx export`.
 
-    python benchmarks/big_export.py [--work DIR] [--keep]
+    python benchmarks/big_export.py [--work DIR] [--keep] [--gguf Q8_0]
 
 Builds a TinyLlama-1.1B-shaped Llama checkpoint with random bf16 weights (hidden 2048, 22
 layers, 32 heads, 4 KV heads, intermediate 5632, vocab 32000, untied head), written shard by
@@ -8,7 +8,8 @@ shard so the full model never sits in memory, then runs `llmx export` on it in a
 process. The child's RSS is sampled every 0.2 s and attributed to the phase named by the last
 line the export logged; the peak also comes from the kernel (getrusage of the child). Export
 cost depends on shapes, not on weight values, so random weights measure what the real
-checkpoint would. Goal (issue 14): peak RSS under 2x the fp32 weight size.
+checkpoint would. Goal (issue 14): peak RSS under 2x the fp32 weight size. ``--gguf TYPE``
+writes the checkpoint as a llama.cpp-style GGUF of that type and exports the GGUF instead.
 """
 
 from __future__ import annotations
@@ -140,6 +141,44 @@ class RssSampler:
             self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
 
 
+def write_gguf(ckpt: Path, out: Path, qtype: str) -> Path:
+    """The checkpoint as a llama.cpp-style GGUF (q/k rows permuted, 2-D weights in ``qtype``), tensor by tensor."""
+    if out.is_file():
+        return out
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from gguf_files import _add_tokenizer, gguf_name, permute  # the tests' writer: one definition of the layout
+
+    c = TINYLLAMA_1B
+    writer = gguf.GGUFWriter(str(out), "llama", use_temp_file=True)
+    for add, value in ((writer.add_block_count, c["num_hidden_layers"]), (writer.add_context_length, c["max_position_embeddings"]),
+                       (writer.add_embedding_length, c["hidden_size"]), (writer.add_feed_forward_length, c["intermediate_size"]),
+                       (writer.add_head_count, c["num_attention_heads"]), (writer.add_head_count_kv, c["num_key_value_heads"]),
+                       (writer.add_layer_norm_rms_eps, c["rms_norm_eps"]), (writer.add_rope_freq_base, c["rope_theta"])):
+        add(value)
+    _add_tokenizer(writer, ckpt)
+    quant = getattr(gguf.GGMLQuantizationType, qtype)
+    for shard in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                array = f.get_tensor(name).float().numpy()
+                ours = gguf_name(name)
+                if ".attn_q." in ours or ".attn_k." in ours:
+                    array = permute(array, c["num_attention_heads"] if ".attn_q." in ours else c["num_key_value_heads"])
+                if array.ndim == 2:
+                    writer.add_tensor(ours, gguf.quants.quantize(array, quant), raw_dtype=quant)
+                else:
+                    writer.add_tensor(ours, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def run_export(ckpt: Path, out: Path) -> dict:
     llmx = Path(sys.executable).with_name("llmx")
     cmd = ["nice", "-n", "10", str(llmx), "export", str(ckpt), "-o", str(out), "--force"]
@@ -169,18 +208,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/llmx-big-export"))
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and artifact")
+    parser.add_argument("--gguf", metavar="TYPE", help="export a GGUF of the checkpoint instead (Q8_0, Q4_0, F32, ...)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     ckpt, params = build_checkpoint(args.work / "ckpt")
+    source = write_gguf(ckpt, args.work / f"tinyllama-{args.gguf}.gguf", args.gguf) if args.gguf else ckpt
     build_s = time.perf_counter() - t0
     fp32_bytes = params * 4
     print(f"checkpoint: {params / 1e9:.3f}B parameters, fp32 {fp32_bytes / 2**30:.2f} GiB (built in {build_s:.0f}s)")
-    result = run_export(ckpt, args.work / "art")
+    result = run_export(source, args.work / "art")
     artifact_bytes = sum(p.stat().st_size for p in (args.work / "art").rglob("*") if p.is_file())
     gib = 2**30
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "shape": TINYLLAMA_1B, "parameters": params, "checkpoint_dtype": "bfloat16",
+        "source": f"gguf {args.gguf}" if args.gguf else "safetensors",
         "fp32_weight_bytes": fp32_bytes, "artifact_bytes": artifact_bytes,
         "peak_rss_over_fp32": round(result["peak_rss_bytes"] / fp32_bytes, 2), **result,
     }
@@ -192,7 +234,8 @@ def main() -> None:
           f"| {record['peak_rss_over_fp32']} | {result['wall_s']} | {artifact_bytes / gib:.2f} |")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    path = results / f"big_export_{datetime.now(timezone.utc):%Y-%m-%d_%H%M}.json"
+    label = f"_gguf_{args.gguf}" if args.gguf else ""
+    path = results / f"big_export{label}_{datetime.now(timezone.utc):%Y-%m-%d_%H%M}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {path}")
     if not args.keep:

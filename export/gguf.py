@@ -97,6 +97,12 @@ class GGUFSource:
 
     def config(self) -> dict[str, Any]:
         """The metadata as a Hugging Face config dict (what spec_from_hf_config reads)."""
+        try:
+            return self._config()
+        except (TypeError, ValueError) as exc:  # e.g. per-layer head counts (arrays), which llmx cannot express
+            raise CheckpointError(f"GGUF metadata has a value llmx cannot use: {exc}") from exc
+
+    def _config(self) -> dict[str, Any]:
         arch, f = self.architecture, self.field
         need = {key: f(f"{arch}.{key}") for key in ("block_count", "embedding_length", "attention.head_count",
                                                      "feed_forward_length", "context_length")}

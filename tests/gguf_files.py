@@ -96,7 +96,8 @@ def _add_tokenizer(writer, checkpoint: Path) -> None:
     writer.add_eos_token_id(vocab["</s>"])
     writer.add_pad_token_id(vocab["<pad>"])
     writer.add_add_bos_token(True)
-    writer.add_chat_template(config["chat_template"])
+    if template := config.get("chat_template"):
+        writer.add_chat_template(template)
 
 
 def dequantized(checkpoint: Path, qtype: str) -> dict[str, np.ndarray]:
