@@ -30,11 +30,16 @@ def export_checkpoint(
     force: bool = False,
     log: Callable[[str], None] = lambda msg: None,
 ) -> Manifest:
-    """Export a local HF checkpoint (decoder or encoder) to an artifact directory; returns its manifest."""
+    """Export a local HF checkpoint (decoder or encoder) or a GGUF file to an artifact directory; returns its manifest."""
     from llmx.artifact import finish, staged_artifact
     from llmx.export.checkpoint import load_model, open_checkpoint
+    from llmx.export.gguf import gguf_file
     from llmx.export.tokenizer import package_tokenizer
 
+    if (gguf := gguf_file(src)) is not None:  # a .gguf file, or a directory holding one
+        from llmx.export.gguf_export import export_gguf
+
+        return export_gguf(gguf, out, verify=verify, all_logits=all_logits, force=force, log=log)
     checkpoint = open_checkpoint(src)
     spec = checkpoint.spec
     if spec.kind == "encoder":

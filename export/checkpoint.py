@@ -9,6 +9,7 @@ along the output axis so each becomes one matmul.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,21 +370,49 @@ def _strip(name: str, prefixes: tuple[str, ...]) -> str:
 
 def load_model(checkpoint: Checkpoint):
     """Build llmx's Decoder or Encoder for the checkpoint and load its weights (strictly)."""
-    if checkpoint.spec.kind == "encoder":
+    return build_model(checkpoint.spec, map_weights(checkpoint.spec, read_state_dict(checkpoint.weight_files)))
+
+
+def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor]):
+    """llmx's Decoder or Encoder for ``spec`` holding ``weights`` (llmx names, checked strictly)."""
+    if spec.kind == "encoder":
         from llmx.export.encoder import Encoder as model_class
     else:
         from llmx.export.modules import Decoder as model_class
 
-    model = model_class(checkpoint.spec)
-    weights = map_weights(checkpoint.spec, read_state_dict(checkpoint.weight_files))
+    # Parameters are built on the meta device and replaced by the mapped tensors themselves
+    # (assign=True): a materialized model would hold a second fp32 copy of every weight.
+    with _parameters_on_meta():
+        model = model_class(spec)
     expected = model.state_dict()
     for name, tensor in weights.items():
         if name in expected and tensor.shape != expected[name].shape:
             raise CheckpointError(
                 f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {tuple(expected[name].shape)}"
             )
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     missing = [m for m in missing if m != "inv_freq"]
     if missing or unexpected:
         raise CheckpointError(f"weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model.eval()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside get meta parameters; buffers (rotary tables) stay real.
+
+    Accelerate's ``init_empty_weights`` does the same; ``torch.device("meta")`` would also
+    move the buffers, which no checkpoint holds.
+    """
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register

@@ -119,6 +119,7 @@ class Precision(Section):
     per_channel: bool | None = None  # w8a8: per-channel weight scales
     symmetric: bool | None = None  # no zero points
     block_size: int | None = None  # w8/w4: input channels per scale
+    accuracy_level: int | None = None  # w8/w4: MatMulNBits' accuracy_level (0: float math, 4: int8 activations)
     awq: bool | None = None  # w4: activation-aware per-input-channel scales before rounding
     fallback: list[str] | None = None  # calibrate's search: MatMuls (weight names) kept in higher precision
     calibration_table: ArtifactPath | None = None  # an INT8 calibration table (ONNX Runtime format)

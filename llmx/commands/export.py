@@ -52,8 +52,12 @@ def register(cli: click.Group) -> None:
         manifest (llmx.json) come along. Families (config.json's model_type): llama, mistral,
         qwen2, gpt2, qwen3, gemma, gemma2, gemma3_text, granite, olmo2, smollm3, phi3, phi,
         gpt_neox, stablelm, starcoder2, mixtral, qwen3_moe;
-        encoders: bert. Progress goes to stderr, a line per phase with the elapsed time
-        (docs/export.md).
+        encoders: bert. Progress goes to stderr, a line per phase with the elapsed time.
+
+        \b
+        CHECKPOINT may also be a GGUF file (or a directory holding one): llama and qwen2
+        architectures; Q8_0/Q4_0/Q4_1 weights stay in their blocks (MatMulNBits), other
+        types are dequantized to float32 (docs/export.md).
         """
         from llmx.export import export_checkpoint
 

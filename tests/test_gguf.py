@@ -1,0 +1,258 @@
+"""GGUF input: files written by the ``gguf`` package from the tiny Llama checkpoint.
+
+fp32: logits match transformers on the original checkpoint. Q8_0/Q4_0/Q4_1: the artifact's
+MatMulNBits carry the file's blocks, so its logits (kernel at accuracy_level 0, no activation
+rounding) equal the fp32 graph run with the file's dequantized weights, far closer than the
+quantization error itself.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from gguf_files import dequantized, write_gguf, write_tokenizer_gguf  # noqa: E402
+from test_cli import error_line, leftovers, run  # noqa: E402
+
+QTYPES = ("Q8_0", "Q4_0", "Q4_1")
+PROMPT = "class Wrapper(object):\n    def __init__(self, width"
+
+
+@pytest.fixture(scope="module")
+def ggufs(store, tmp_path_factory):
+    """qtype -> (gguf path, artifact), written and exported once per module."""
+    from llmx.export import export_checkpoint
+
+    root = tmp_path_factory.mktemp("gguf")
+    made = {}
+
+    def get(qtype: str) -> tuple[Path, Path]:
+        if qtype not in made:
+            folder = root / qtype
+            folder.mkdir()
+            path = write_gguf(store.checkpoint("llama"), folder / f"tiny-{qtype}.gguf", qtype)
+            # fp32 goes through the directory form: a folder holding exactly one .gguf.
+            export_checkpoint(folder if qtype == "F32" else path, root / f"art-{qtype}")
+            made[qtype] = path, root / f"art-{qtype}"
+        return made[qtype]
+
+    return get
+
+
+def session(artifact: Path, graph: str = "prefill", model=None):
+    import onnxruntime as ort
+
+    from llmx.onnx_files import load_graph
+
+    model = model if model is not None else load_graph(artifact / f"{graph}.onnx", with_weights=True)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def prefill_logits(sess, ids: list[int]) -> np.ndarray:
+    n = len(ids)
+    feeds = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, n), np.int64),
+             "position_ids": np.arange(n)[None]}
+    return sess.run(["logits"], feeds)[0][0, -1]
+
+
+def prompt_ids(artifact: Path) -> list[int]:
+    from llmx.manifest import load_manifest
+    from llmx.runtime.tokenizer import Tokenizer
+
+    return Tokenizer(artifact, load_manifest(artifact)).encode(PROMPT)
+
+
+def test_fp32_gguf_matches_transformers_on_the_original_checkpoint(ggufs, store):
+    import torch
+    import transformers
+
+    _, artifact = ggufs("F32")  # llama: q/k rows permuted in the file
+    ids = prompt_ids(artifact)
+    ours = prefill_logits(session(artifact), ids)
+    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint("llama")).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1].numpy()
+    assert np.abs(ours - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])  # qwen2: q/k/v biases, no row permutation
+def test_gguf_reads_as_the_checkpoint_it_was_written_from(variant, store, tmp_path):
+    """Same ModelSpec and the same tensors as the HF directory: the export path is then shared."""
+    from safetensors.numpy import load_file
+
+    from llmx.export.checkpoint import open_checkpoint
+    from llmx.export.gguf import open_gguf
+    from llmx.spec import spec_from_hf_config
+
+    checkpoint = open_checkpoint(store.checkpoint(variant))
+    source = open_gguf(write_gguf(checkpoint.path, tmp_path / "m.gguf"))
+    spec = spec_from_hf_config(source.config())
+    assert spec.to_dict() == checkpoint.spec.to_dict()
+    ours = source.hf_weights(spec.num_heads, spec.num_kv_heads)
+    theirs = load_file(str(checkpoint.path / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs)
+    for name, array in theirs.items():
+        np.testing.assert_array_equal(ours[name].numpy(), array, err_msg=name)
+
+
+def test_gguf_tokenizer_and_chat_template_match_the_checkpoints(ggufs, store):
+    from tokenizers import Tokenizer
+
+    _, artifact = ggufs("F32")
+    original = Tokenizer.from_file(str(store.checkpoint("llama") / "tokenizer.json"))
+    text = "import json\n<|user|>hello  world\t\u00e9t\u00e9 🙂</s>"
+    assert prompt_ids(artifact)[0] == 1  # add_bos_token: <s> first
+    from llmx.manifest import load_manifest
+    from llmx.runtime.tokenizer import Tokenizer as Ours
+
+    ours = Ours(artifact, load_manifest(artifact))
+    assert ours.encode(text) == original.encode(text).ids
+    assert ours.decode(ours.encode(text), skip_special_tokens=False).endswith(text)
+    config = json.loads((store.checkpoint("llama") / "tokenizer_config.json").read_text())
+    assert ours.chat_template == config["chat_template"]
+    assert (ours.bos_token_id, ours.eos_token_ids, ours.pad_token_id) == (1, [2], 0)
+
+
+def _dequantized_reference(fp32_artifact: Path, spec: dict, qtype: str, store):
+    """The fp32 prefill graph holding the weights a ``qtype`` GGUF dequantizes to."""
+    import torch
+    from onnx import numpy_helper
+
+    from llmx.export.checkpoint import map_weights
+    from llmx.onnx_files import load_graph
+    from llmx.spec import ModelSpec
+
+    hf = {k: torch.from_numpy(v) for k, v in dequantized(store.checkpoint("llama"), qtype).items()}
+    ours = map_weights(ModelSpec.from_dict(spec), hf)
+    model = load_graph(fp32_artifact / "prefill.onnx", with_weights=True)
+    replaced = 0
+    for init in model.graph.initializer:
+        name = init.name.removeprefix("model.")
+        if name in ours:
+            init.CopyFrom(numpy_helper.from_array(ours[name].numpy(), init.name))
+            replaced += 1
+    assert replaced >= 2 + 4 * spec["num_layers"]
+    return model
+
+
+def _exact_kernels(artifact: Path):
+    """The artifact's prefill with MatMulNBits at accuracy_level 0 (fp32 activations)."""
+    from llmx.onnx_files import load_graph
+
+    model = load_graph(artifact / "prefill.onnx", with_weights=True)
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    for node in nbits:
+        next(a for a in node.attribute if a.name == "accuracy_level").i = 0
+    return model, nbits
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantized_gguf_keeps_its_blocks_no_requantization_error(qtype, ggufs, store):
+    from llmx.manifest import load_manifest
+
+    path, artifact = ggufs(qtype)
+    _, fp32 = ggufs("F32")
+    manifest = load_manifest(artifact)
+    model, nbits = _exact_kernels(artifact)
+    layers = manifest.model.num_layers
+    assert len(nbits) == 4 * layers + 1  # qkv, o, gate|up, down per layer, and the head
+    assert {a.i for n in nbits for a in n.attribute if a.name in ("bits", "block_size")} == {8 if qtype == "Q8_0" else 4, 32}
+    assert (manifest.precision.scheme, manifest.precision.symmetric) == (
+        "w8" if qtype == "Q8_0" else "w4", qtype != "Q4_1")
+
+    ids = prompt_ids(artifact)
+    ours = prefill_logits(session(artifact, model=model), ids)
+    reference = prefill_logits(session(fp32, model=_dequantized_reference(fp32, manifest.model.to_dict(), qtype, store)), ids)
+    original = prefill_logits(session(fp32), ids)
+    scale = max(1.0, np.abs(reference).max())
+    kernel_rounding = np.abs(ours - reference).max()
+    quantization_error = np.abs(reference - original).max()
+    assert kernel_rounding <= 1e-4 * scale
+    assert quantization_error > 100 * kernel_rounding  # the comparison can tell the two apart
+
+    record = manifest.extras["gguf"]
+    assert record["file"] == path.name and record["sha256"] == _sha256(path)
+    assert record["tensor_types"] == {qtype: 2 + 7 * layers, "F32": 1 + 2 * layers}  # norms stay F32
+    assert record["dequantized"] == {"token_embd.weight": qtype}  # the embedding is a lookup: float32
+    assert manifest.lineage[0].details["format"] == "gguf"
+
+
+def test_mixed_types_keep_only_uniform_linears_quantized(store, tmp_path):
+    """A linear whose GGUF tensors mix types (or use another type) is dequantized, and recorded so."""
+    from llmx.export.gguf import open_gguf
+    from llmx.export.gguf_export import _record, quantized_linears
+    from llmx.spec import spec_from_hf_config
+
+    mixed = {"blk.0.attn_v.weight": "Q5_0", "blk.1.ffn_up.weight": "Q8_0", "output.weight": "F16"}
+    source = open_gguf(write_gguf(store.checkpoint("llama"), tmp_path / "mixed.gguf", "Q4_0", overrides=mixed))
+    blocks = quantized_linears(source, spec_from_hf_config(source.config()))
+    assert sorted(blocks) == ["layers.0.attn.o.weight", "layers.0.mlp.down.weight", "layers.0.mlp.up.weight",
+                              "layers.1.attn.o.weight", "layers.1.attn.qkv.weight", "layers.1.mlp.down.weight"]
+    record = _record(source, blocks)
+    assert record["dequantized"] == {
+        "token_embd.weight": "Q4_0", "output.weight": "F16", "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0",
+        "blk.0.attn_v.weight": "Q5_0", "blk.1.ffn_gate.weight": "Q4_0", "blk.1.ffn_up.weight": "Q8_0"}
+    assert record["tensor_types"] == {"Q4_0": 13, "Q5_0": 1, "Q8_0": 1, "F16": 1, "F32": 5}
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantized_gguf_artifact_generates(qtype, ggufs, capsys):
+    _, artifact = ggufs(qtype)
+    code, out, _ = run(["generate", str(artifact), "def f(x):", "--max-new-tokens", "6", "--json"], capsys)
+    assert code == 0 and json.loads(out)["completion_tokens"] == 6
+
+
+def test_unsupported_architecture_is_one_error_line(store, tmp_path, capsys):
+    path = write_gguf(store.checkpoint("llama"), tmp_path / "phi.gguf", "F32", arch="phi3")
+    code, _, err = run(["export", str(path), "-o", str(tmp_path / "out")], capsys)
+    assert code == 1 and "GGUF architecture 'phi3' is not supported" in error_line(err)
+    assert leftovers(tmp_path) == ["phi.gguf"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_gguf_is_one_error_line(damage, ggufs, tmp_path, capsys):
+    src, _ = ggufs("F32")
+    data = src.read_bytes()
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"GGUF" + bytes(range(256)) * 4)
+    code, _, err = run(["export", str(path), "-o", str(tmp_path / "out")], capsys)
+    assert code == 1 and "cannot read GGUF file bad.gguf" in error_line(err)
+    assert leftovers(tmp_path) == ["bad.gguf"]
+
+
+def test_directory_with_two_ggufs_is_refused(ggufs, tmp_path, capsys):
+    src, _ = ggufs("F32")
+    for name in ("a.gguf", "b.gguf"):
+        shutil.copy(src, tmp_path / name)
+    code, _, err = run(["export", str(tmp_path), "-o", str(tmp_path / "out")], capsys)
+    assert code == 1 and "holds 2 .gguf files" in error_line(err)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])  # byte-level BPE; SentencePiece BPE with byte fallback
+def test_gguf_tokenizers_encode_and_decode_as_transformers_gguf_loader(kind, store, tmp_path):
+    import transformers
+    from tokenizers import Tokenizer
+
+    from llmx.export.gguf import GGUFSource
+    from llmx.export.gguf_tokenizer import package_gguf_tokenizer
+
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", kind, store.checkpoint("llama"))
+    package_gguf_tokenizer(GGUFSource(path, gguf.GGUFReader(str(path))).field, tmp_path)
+    ours = Tokenizer.from_file(str(tmp_path / "tokenizer" / "tokenizer.json"))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["import json\n  def f(x):\treturn x", " leading  spaces", "\u00fcn\u00efc\u00f6d\u00e9 \U0001f642 done", "</s>end"]:
+        ids = ours.encode(text).ids
+        assert ids == reference.encode(text), text
+        assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
