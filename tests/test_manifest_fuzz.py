@@ -63,7 +63,9 @@ def typed_slots(tp: Any, value: Any, path: tuple = ()) -> list[Slot]:
         rest = getattr(base, "__json_rest__", None)
         for f in dataclasses.fields(base):
             if f.name in value and f.name != rest:
-                slots += typed_slots(hints(base)[f.name], value[f.name], (*path, f.name))
+                tp = hints(base)[f.name]
+                tp = tp | None if f.default is None else tp  # null is a field's valid default, however annotated
+                slots += typed_slots(tp, value[f.name], (*path, f.name))
     elif origin is list and isinstance(value, list):
         for i, item in enumerate(value):
             slots += typed_slots(typing.get_args(base)[0], item, (*path, i))
