@@ -5,6 +5,8 @@ only slow things down (quantized kernels) or cannot apply (other backends)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -46,11 +48,8 @@ def test_refused_for_quantized_artifacts(llama_artifact, tmp_path):
     quantized = tmp_path / "w8"
     manifest = json.loads((llama_artifact / "llmx.json").read_text())
     manifest["precision"]["scheme"] = "w8"
-    quantized.mkdir()
-    for f in llama_artifact.iterdir():
-        if f.is_file() and f.name != "llmx.json":
-            (quantized / f.name).symlink_to(f)
-    (quantized / "tokenizer").symlink_to(llama_artifact / "tokenizer")
+    # Hardlinks, not symlinks: an artifact's files may not lead outside it.
+    shutil.copytree(llama_artifact, quantized, copy_function=os.link, ignore=shutil.ignore_patterns("llmx.json"))
     (quantized / "llmx.json").write_text(json.dumps(manifest))
     with pytest.raises(InputError, match="unquantized artifacts; this one is w8"):
         _backend(quantized, low_memory=True)
