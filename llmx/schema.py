@@ -180,6 +180,9 @@ def from_json(cls: type, data: Any, field: str) -> Any:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise FieldError(where, "is missing")
             continue
+        if data[f.name] is None and f.default is None:
+            kwargs[f.name] = None  # a field at its default of null is valid, however it is annotated
+            continue
         kwargs[f.name] = convert(types_of[f.name], data[f.name], where)
     if rest_field:
         known = {f.name for f in dataclasses.fields(cls)}

@@ -48,11 +48,9 @@ def test_refused_for_quantized_artifacts(llama_artifact, tmp_path):
     quantized = tmp_path / "w8"
     manifest = json.loads((llama_artifact / "llmx.json").read_text())
     manifest["precision"]["scheme"] = "w8"
-    quantized.mkdir()
-    for f in llama_artifact.iterdir():
-        if f.is_file() and f.name != "llmx.json":
-            (quantized / f.name).symlink_to(f)
-    (quantized / "tokenizer").symlink_to(llama_artifact / "tokenizer")
+    # A copy, not symlinks (an artifact's files may not lead outside it) nor hardlinks (onnx refuses
+    # external data with several links, and the session artifact is shared).
+    shutil.copytree(llama_artifact, quantized, ignore=shutil.ignore_patterns("llmx.json"))
     (quantized / "llmx.json").write_text(json.dumps(manifest))
     with pytest.raises(InputError, match="unquantized artifacts; this one is w8"):
         _backend(quantized, low_memory=True)

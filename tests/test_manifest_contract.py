@@ -131,3 +131,18 @@ def test_types_come_from_the_annotations(tp, value, ok):
     else:
         with pytest.raises(FieldError):
             convert(tp, value, "x")
+
+
+def test_a_null_default_is_valid_however_the_field_is_annotated():
+    """A field written ``x: float = None`` (a later ModelSpec field, say) still loads at its default."""
+    import dataclasses
+
+    from llmx.schema import from_json
+
+    @dataclasses.dataclass
+    class Section:
+        scale: float = None  # type: ignore[assignment]
+
+    assert from_json(Section, {"scale": None}, "s").scale is None
+    with pytest.raises(FieldError, match='s.scale must be a number, got "x"'):
+        from_json(Section, {"scale": "x"}, "s")

@@ -63,7 +63,9 @@ def typed_slots(tp: Any, value: Any, path: tuple = ()) -> list[Slot]:
         rest = getattr(base, "__json_rest__", None)
         for f in dataclasses.fields(base):
             if f.name in value and f.name != rest:
-                slots += typed_slots(hints(base)[f.name], value[f.name], (*path, f.name))
+                tp = hints(base)[f.name]
+                tp = tp | None if f.default is None else tp  # null is a field's valid default, however annotated
+                slots += typed_slots(tp, value[f.name], (*path, f.name))
     elif origin is list and isinstance(value, list):
         for i, item in enumerate(value):
             slots += typed_slots(typing.get_args(base)[0], item, (*path, i))
@@ -208,7 +210,8 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def fresh_copy(src: Path, dst: Path) -> None:
-    """The artifact's files hardlinked (cheap; symlinks would count as leading out), manifest copied."""
+    """The artifact's files hardlinked (cheap; symlinks would count as leading out), manifest copied.
+    The caller removes the copy right after its case: while it exists, the source's files have two links."""
     shutil.copytree(src, dst, copy_function=os.link, ignore=shutil.ignore_patterns(MANIFEST_NAME))
     shutil.copy2(src / MANIFEST_NAME, dst / MANIFEST_NAME)
 
@@ -272,10 +275,12 @@ def test_corrupt_manifests_end_in_one_error_line(command, sources, workdir, no_s
         kind, slot, value = data.draw(mutations(manifest))
         art = workdir / f"{command}-{next(counter)}" / "art"
         fresh_copy(sources[source], art)
-        mutated = apply(manifest, art, kind, slot, value)
-        (art / MANIFEST_NAME).write_text(json.dumps(mutated))
-        code, err = run_cli(COMMANDS[command](art, workdir))
-        shutil.rmtree(art.parent)
+        try:  # the hardlinks go at once: onnx refuses external data with several links
+            mutated = apply(manifest, art, kind, slot, value)
+            (art / MANIFEST_NAME).write_text(json.dumps(mutated))
+            code, err = run_cli(COMMANDS[command](art, workdir))
+        finally:
+            shutil.rmtree(art.parent)
         where = f"{kind} at {'.'.join(map(str, slot.path)) or 'the manifest'} = {value!r} ({source})"
         lines = [line for line in err.splitlines() if line.strip()]
         assert code != 0, f"{where}: exit 0"
