@@ -61,7 +61,14 @@ def test_calibrate_w8_on_a_new_family(store, tmp_path):
     data.write_text(inspect.getsource(inspect))
     out = tmp_path / "w8"
     calibrate_artifact(store.artifact("gemma2"), out, data,
-                       CalibrationOptions(scheme="w8", block_size=16, samples=4, seq_len=32, eval_samples=4, threads=1))
+                       CalibrationOptions(scheme="w8", block_size=16, samples=2, seq_len=32, eval_samples=2, threads=1))
+    import onnx
+
+    from llmx.manifest import load_manifest
+
+    assert load_manifest(out).precision["scheme"] == "w8"
+    decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    assert sum(n.op_type == "MatMulNBits" for n in decode.graph.node) == 4 * 2 + 1  # qkv, o, up, down x 2 + head
     seq = Engine.load(out, threads=1).generate(["def main():"], SamplingParams(max_new_tokens=8, temperature=0))[0]
     assert len(seq.output_ids) == 8
 
@@ -81,3 +88,15 @@ def test_optimize_refuses_a_feature_the_fused_graph_cannot_do(store, tmp_path, c
     code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
     assert code != 0 and "q/k norm with LayerNorm" in error_line(err)
     assert leftovers(tmp_path) == ["layer-qk"]
+
+
+@pytest.mark.parametrize("option", [["--num-beams", "2"], ["--speculative", "ngram", "--temperature", "0"]])
+def test_loops_without_the_recompute_refuse_a_longrope_crossing(option, store, capsys):
+    """Beam search and speculative decoding do not recompute at LongRoPE's switch: one line, not a different answer."""
+    from test_cli import error_line
+
+    art = str(store.artifact("phi3-longrope-crossing"))
+    code, _, err = run(["generate", art, "import json", "--max-new-tokens", "24", "--threads", "1", *option], capsys)
+    assert code != 0 and "cannot cross LongRoPE" in error_line(err)
+    code, out, _ = run(["generate", art, "import json", "--max-new-tokens", "3", "--threads", "1", *option], capsys)
+    assert code == 0 and out.strip()
