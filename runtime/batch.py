@@ -20,11 +20,16 @@ from llmx.runtime.sequence import Sequence
 Event = tuple[Sequence, str]  # a sequence and the text it made visible this step
 
 
+def long_rope_threshold(backend) -> int | None:
+    """Where LongRoPE switches to its long factors for this backend's model (None: no switch)."""
+    manifest = getattr(backend, "manifest", None)
+    return long_context_threshold(manifest.model.rope or {}) if manifest else None
+
+
 def refuse_long_rope_crossing(backend, prompt_len: int, max_new_tokens: int, what: str) -> None:
     """For loops that cannot recompute a sequence at LongRoPE's switch (see ``Batch._recompute``):
     refuse one that would cross it rather than answer differently from transformers."""
-    manifest = getattr(backend, "manifest", None)
-    threshold = long_context_threshold(manifest.model.get("rope") or {}) if manifest else None
+    threshold = long_rope_threshold(backend)
     if threshold is not None and prompt_len <= threshold < prompt_len + max_new_tokens:
         raise InputError(f"{what} cannot cross LongRoPE's original_max_position_embeddings ({threshold} tokens) yet; "
                          f"use plain decoding, or keep prompt + new tokens within {threshold}")
@@ -39,8 +44,7 @@ class Batch:
         # Called with (sequence, cache, row) as a finished sequence leaves, before its row is
         # reused: the server's prefix cache keeps the KV of what it generated.
         self.on_leave: Callable[[Sequence, object, int], None] | None = None
-        manifest = getattr(backend, "manifest", None)
-        self.long_rope_at = long_context_threshold(manifest.model.rope or {}) if manifest else None
+        self.long_rope_at = long_rope_threshold(backend)
 
     @property
     def free_rows(self) -> int:
