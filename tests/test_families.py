@@ -61,7 +61,14 @@ def test_calibrate_w8_on_a_new_family(store, tmp_path):
     data.write_text(inspect.getsource(inspect))
     out = tmp_path / "w8"
     calibrate_artifact(store.artifact("gemma2"), out, data,
-                       CalibrationOptions(scheme="w8", block_size=16, samples=4, seq_len=32, eval_samples=4, threads=1))
+                       CalibrationOptions(scheme="w8", block_size=16, samples=2, seq_len=32, eval_samples=2, threads=1))
+    import onnx
+
+    from llmx.manifest import load_manifest
+
+    assert load_manifest(out).precision["scheme"] == "w8"
+    decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    assert sum(n.op_type == "MatMulNBits" for n in decode.graph.node) == 4 * 2 + 1  # qkv, o, up, down x 2 + head
     seq = Engine.load(out, threads=1).generate(["def main():"], SamplingParams(max_new_tokens=8, temperature=0))[0]
     assert len(seq.output_ids) == 8
 
