@@ -20,6 +20,16 @@ from llmx.runtime.sequence import Sequence
 Event = tuple[Sequence, str]  # a sequence and the text it made visible this step
 
 
+def refuse_long_rope_crossing(backend, prompt_len: int, max_new_tokens: int, what: str) -> None:
+    """For loops that cannot recompute a sequence at LongRoPE's switch (see ``Batch._recompute``):
+    refuse one that would cross it rather than answer differently from transformers."""
+    manifest = getattr(backend, "manifest", None)
+    threshold = long_context_threshold(manifest.model.get("rope") or {}) if manifest else None
+    if threshold is not None and prompt_len <= threshold < prompt_len + max_new_tokens:
+        raise InputError(f"{what} cannot cross LongRoPE's original_max_position_embeddings ({threshold} tokens) yet; "
+                         f"use plain decoding, or keep prompt + new tokens within {threshold}")
+
+
 class Batch:
     def __init__(self, backend, rows: int, capacity: int):
         self.backend = backend

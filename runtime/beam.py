@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmx.errors import InputError
+from llmx.runtime.batch import refuse_long_rope_crossing
 from llmx.runtime.sampling import log_softmax
 
 MAX_BEAMS = 64
@@ -84,6 +85,7 @@ class BeamSearch:
             raise InputError(f"prompt has {len(prompt_ids)} tokens; the model's maximum sequence length is {backend.max_seq_len}")
         self.backend, self.prompt = backend, list(prompt_ids)
         self.max_new = min(params.max_new_tokens, backend.max_seq_len - len(self.prompt))
+        refuse_long_rope_crossing(backend, len(self.prompt), self.max_new, "beam search")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(end_ids))
         self.stop_ids = np.array(sorted(stops), dtype=np.int64)
         self.candidates = max(2, 1 + len(stops)) * params.num_beams  # always >= B that do not end

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from llmx.errors import InputError
-from llmx.runtime.batch import Batch, Event
+from llmx.runtime.batch import Batch, Event, refuse_long_rope_crossing
 from llmx.runtime.sequence import Sequence
 
 MAX_DRAFT_TOKENS = 32
@@ -131,6 +131,8 @@ class SpeculativeBatch(Batch):
         self.stats: SpecStats = drafter.stats  # the drafter's owner reads them after generation
 
     def admit(self, seqs: list[Sequence], padding: str = "right") -> list[Event]:
+        for seq in seqs:
+            refuse_long_rope_crossing(self.backend, len(seq.prompt_ids), seq.params.max_new_tokens, "speculative decoding")
         events = super().admit(seqs, padding)
         self._start(seqs)
         return events

@@ -88,3 +88,15 @@ def test_optimize_refuses_a_feature_the_fused_graph_cannot_do(store, tmp_path, c
     code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
     assert code != 0 and "q/k norm with LayerNorm" in error_line(err)
     assert leftovers(tmp_path) == ["layer-qk"]
+
+
+@pytest.mark.parametrize("option", [["--num-beams", "2"], ["--speculative", "ngram", "--temperature", "0"]])
+def test_loops_without_the_recompute_refuse_a_longrope_crossing(option, store, capsys):
+    """Beam search and speculative decoding do not recompute at LongRoPE's switch: one line, not a different answer."""
+    from test_cli import error_line
+
+    art = str(store.artifact("phi3-longrope-crossing"))
+    code, _, err = run(["generate", art, "import json", "--max-new-tokens", "24", "--threads", "1", *option], capsys)
+    assert code != 0 and "cannot cross LongRoPE" in error_line(err)
+    code, out, _ = run(["generate", art, "import json", "--max-new-tokens", "3", "--threads", "1", *option], capsys)
+    assert code == 0 and out.strip()
