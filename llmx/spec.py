@@ -44,8 +44,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
                      parallel_key="use_parallel_residual", parallel="shared_norm", parallel_default=False,
                      qk_norm_key="qk_layernorm"),
     "starcoder2": dict(norm="layer", mlp="plain", position="rope", qkv_bias_key="use_bias", mlp_bias_key="use_bias"),
-    "mixtral": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key=None, moe=True),
-    "qwen3_moe": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", qk_norm="head", moe=True),
+    "mixtral": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key=None, moe="renormalized"),
+    "qwen3_moe": dict(norm="rms", mlp="gated", position="rope", qkv_bias_key="attention_bias", qk_norm="head", moe="norm_topk_prob"),
 }
 
 # HF activation names -> the ones llmx implements.
@@ -269,7 +269,8 @@ def _sparse_moe(spec: ModelSpec, fam: dict, cfg: dict) -> None:
         return
     spec.num_experts = int(_get(cfg, "num_local_experts", "num_experts"))
     spec.experts_per_token = int(cfg["num_experts_per_tok"])
-    spec.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+    # Mixtral always renormalizes; qwen3_moe follows its config (transformers' default: no).
+    spec.norm_topk_prob = fam["moe"] == "renormalized" or bool(cfg.get("norm_topk_prob", False))
     spec.moe_intermediate_size = int(_get(cfg, "moe_intermediate_size", default=spec.intermediate_size))
     dense, step = set(cfg.get("mlp_only_layers") or []), int(cfg.get("decoder_sparse_step", 1) or 1)
     spec.sparse_layers = [i not in dense and (i + 1) % step == 0 for i in range(spec.num_layers)]

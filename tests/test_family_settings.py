@@ -24,6 +24,10 @@ SETTINGS = {
     "mixtral-top-3": ("mixtral", dict(num_experts_per_tok=3, tie_word_embeddings=True)),
     "qwen3_moe-renormalized-sparse-step-2": ("qwen3_moe", dict(norm_topk_prob=True, decoder_sparse_step=2)),
     "qwen3_moe-dense-first": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[0], num_experts_per_tok=3)),
+    # Phi-4-mini's partial rotary (0.75 there) with LongRoPE factors for the rotated dims only.
+    "phi3-partial-rotary-longrope": ("phi3", dict(partial_rotary_factor=0.5, original_max_position_embeddings=4, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5, original_max_position_embeddings=4,
+        short_factor=[1.0, 1.1, 1.2, 1.3], long_factor=[2.0, 2.5, 3.0, 3.5]))),
 }
 
 # What each setting must turn into (the spec really read the config, not a default).
@@ -36,6 +40,7 @@ EXPECTED = {
     "mixtral-top-3": dict(experts_per_token=3, tie_word_embeddings=True),
     "qwen3_moe-renormalized-sparse-step-2": dict(norm_topk_prob=True, sparse_layers=[False, True], qk_norm="head"),
     "qwen3_moe-dense-first": dict(norm_topk_prob=False, sparse_layers=[False, True], experts_per_token=3),
+    "phi3-partial-rotary-longrope": dict(rotary_dim=8),
 }
 
 

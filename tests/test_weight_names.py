@@ -19,7 +19,7 @@ from llmx.weight_names import all_weights, graph_name, layer_weights, model_weig
 
 
 def _spec(artifact) -> ModelSpec:
-    return ModelSpec.from_dict(load_manifest(artifact).model)
+    return load_manifest(artifact).model
 
 
 # Where the optimizer finds a weight the exporter merged into an identical one: the matmul the
