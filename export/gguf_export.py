@@ -64,7 +64,6 @@ def export_gguf(
 
             log("verifying ONNX Runtime against PyTorch (float32 graphs)")
             manifest.extras["verify"] = verify_export(model, fp32_dir)
-        del model  # the fp32 torch weights are in the graphs now; the rewrite below needs memory of its own
         if blocks:
             log(f"MatMulNBits from the GGUF's own blocks for {len(blocks)} weights")
             manifest.graphs, manifest.precision = _write_quantized(fp32_dir, tmp, blocks)
