@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from llmx.calibration.smoothquant import groups
+from llmx.calibration.smoothquant import matmul_inputs
 
 SAMPLE_ROWS = 256  # rows of X kept per MatMul input (AWQ's search: enough to rank a few scales)
 
@@ -58,25 +58,7 @@ class ActivationStats:
 def collect_stats(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
                   progress: Callable[[int], None] = lambda n: None, threads: int | None = None) -> ActivationStats:
     """Run each fp32 graph once over its feeds, watching the inputs of its weight MatMuls."""
-    import onnx
-    import onnxruntime as ort
-
-    from llmx.runtime.onnx_backend import session_options
-
     stats, rng = ActivationStats(), np.random.default_rng(0)
-    for graph, path in graph_paths.items():
-        model = onnx.load_model(str(path), load_external_data=False)
-        watched = {g.activation: g.weights for g in groups(model)}
-        outputs = {o.name for o in model.graph.output}
-        model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(a) for a in watched if a not in outputs)
-        augmented = path.with_name(f"{path.stem}.stats.onnx")  # beside weights.bin, which it references
-        onnx.save_model(model, str(augmented))
-        session = ort.InferenceSession(str(augmented), session_options(threads), providers=["CPUExecutionProvider"])
-        names = list(watched)
-        for feed in feeds(graph):
-            for name, value in zip(names, session.run(names, feed)):
-                stats.add(graph, watched[name], value, rng)
-            progress(1)
-        del session
-        augmented.unlink()
+    for graph, weights, value in matmul_inputs(graph_paths, feeds, progress, threads, "stats"):
+        stats.add(graph, weights, value, rng)
     return stats

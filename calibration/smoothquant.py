@@ -67,32 +67,42 @@ def groups(model) -> list[Group]:
 
 # -- statistics ------------------------------------------------------------------------------
 
-def activation_absmax(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
-                      progress: Callable[[int], None] = lambda n: None, threads: int | None = None) -> dict[str, np.ndarray]:
-    """Per-input-channel max |X| of every weight MatMul's input, keyed by weight name, over all graphs."""
+def matmul_inputs(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
+                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None, tag: str = "watch"):
+    """Run each fp32 graph over its feeds; yield (graph, weight names, value) for the input of
+    every weight MatMul group, as the graph computes it."""
     import onnx
     import onnxruntime as ort
 
     from llmx.runtime.onnx_backend import session_options
 
-    stats: dict[str, np.ndarray] = {}
     for graph, path in graph_paths.items():
         model = onnx.load_model(str(path), load_external_data=False)
         watched = {g.activation: g.weights for g in groups(model)}
         outputs = {o.name for o in model.graph.output}
         model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(a) for a in watched if a not in outputs)
-        augmented = path.with_name(f"{path.stem}.absmax.onnx")  # beside weights.bin, which it references
+        augmented = path.with_name(f"{path.stem}.{tag}.onnx")  # beside weights.bin, which it references
         onnx.save_model(model, str(augmented))
-        session = ort.InferenceSession(str(augmented), session_options(threads), providers=["CPUExecutionProvider"])
-        names = list(watched)
-        for feed in feeds(graph):
-            for name, value in zip(names, session.run(names, feed)):
-                channel_max = np.abs(value).reshape(-1, value.shape[-1]).max(0)
-                for weight in watched[name]:
-                    stats[weight] = np.maximum(stats[weight], channel_max) if weight in stats else channel_max
-            progress(1)
-        del session
-        augmented.unlink()
+        try:
+            session = ort.InferenceSession(str(augmented), session_options(threads), providers=["CPUExecutionProvider"])
+            names = list(watched)
+            for feed in feeds(graph):
+                for name, value in zip(names, session.run(names, feed)):
+                    yield graph, watched[name], value
+                progress(1)
+            del session
+        finally:
+            augmented.unlink()
+
+
+def activation_absmax(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
+                      progress: Callable[[int], None] = lambda n: None, threads: int | None = None) -> dict[str, np.ndarray]:
+    """Per-input-channel max |X| of every weight MatMul's input, keyed by weight name, over all graphs."""
+    stats: dict[str, np.ndarray] = {}
+    for _, weights, value in matmul_inputs(graph_paths, feeds, progress, threads, "absmax"):
+        channel_max = np.abs(value).reshape(-1, value.shape[-1]).max(0)
+        for weight in weights:
+            stats[weight] = np.maximum(stats[weight], channel_max) if weight in stats else channel_max
     return stats
 
 

@@ -8,18 +8,8 @@ import re
 import pytest
 
 from live_server import slow_engine
-from llmx.cli import main
+from test_cli import run
 from llmx.serve import create_app
-
-
-def run(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def last_line(err: str) -> str:
@@ -120,7 +110,8 @@ def test_export_progress_stamps_each_phase_and_speaks_up_in_long_silences(monkey
         log("exporting prefill and decode graphs")
         time.sleep(0.5)
         log("verifying ONNX Runtime against PyTorch")
-        return type("Manifest", (), {"model": {"family": "llama"}, "graphs": {"prefill": 0, "decode": 0}})()
+        model = type("ModelSpec", (), {"family": "llama"})()
+        return type("Manifest", (), {"model": model, "graphs": {"prefill": 0, "decode": 0}})()
 
     monkeypatch.setattr(export_command, "HEARTBEAT_S", 0.15)
     monkeypatch.setattr(llmx.export, "export_checkpoint", slow_export)
