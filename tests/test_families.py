@@ -66,7 +66,7 @@ def test_calibrate_w8_on_a_new_family(store, tmp_path):
 
     from llmx.manifest import load_manifest
 
-    assert load_manifest(out).precision["scheme"] == "w8"
+    assert load_manifest(out).precision.scheme == "w8"
     decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
     assert sum(n.op_type == "MatMulNBits" for n in decode.graph.node) == 4 * 2 + 1  # qkv, o, up, down x 2 + head
     seq = Engine.load(out, threads=1).generate(["def main():"], SamplingParams(max_new_tokens=8, temperature=0))[0]
