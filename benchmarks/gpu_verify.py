@@ -31,13 +31,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from smollm_shape import build_checkpoint  # noqa: E402
 LLMX = [sys.executable, "-m", "llmx.cli"]
 PROMPT = "def fibonacci(n):\n    "
 GPU = os.environ.get("LLMX_VERIFY_BACKEND", "ort-cuda")  # ort-cpu: dry-run this script on a CPU box
-SMOLLM_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                   num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
-                   rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def sh(args: list, **kw) -> str:
@@ -58,23 +56,11 @@ def record(work: Path, key: str, value) -> None:
 
 # -- prepare ------------------------------------------------------------------------------------
 
-def smollm_checkpoint(directory: Path) -> Path:
-    import torch
-    import transformers
-
-    from checkpoints import train_tokenizer
-
-    train_tokenizer(directory)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMOLLM_135M)).eval().save_pretrained(directory)
-    return directory
-
-
 def prepare(work: Path, models: list[str], optimized: bool = True) -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "ckpt-smollm"
-    if "smollm" in models and not (ckpt / "config.json").exists():
-        smollm_checkpoint(ckpt)
+    if "smollm" in models:
+        build_checkpoint(ckpt)
     sources = {"demo": ROOT / "llmx" / "demo_model", "smollm": ckpt}
     for name in models:
         src = sources[name]
@@ -254,8 +240,8 @@ def speed(work: Path, rounds: int, prompt_len: int, new_tokens: int) -> None:
 # -- serve: aggregate throughput of concurrent streams ---------------------------------------------
 
 def stream(url: str, tokens: int, out: list, lock: threading.Lock) -> None:
-    """One streamed completion; its token count comes from the usage chunk (a random model's ids
-    past the small test tokenizer's vocabulary decode to no text, so chunks undercount)."""
+    """One streamed completion; its token count comes from the usage chunk (a text chunk is not a
+    token: ids that decode to no text, or to part of a UTF-8 character, send none)."""
     import requests
 
     body = {"prompt": PROMPT, "max_tokens": tokens, "stream": True, "ignore_eos": True, "temperature": 0,
