@@ -35,6 +35,18 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
 
+def optimize_with_model_field(artifact: Path, field: str, value, tmp_path: Path, capsys) -> tuple[int, str]:
+    """`llmx optimize` on a copy of ``artifact`` whose manifest sets model.<field> to ``value``
+    (a feature the fused builder may not have): exit code and the error line."""
+    src = tmp_path / "changed"
+    shutil.copytree(artifact, src)
+    manifest = json.loads((src / "llmx.json").read_text())
+    manifest["model"][field] = value
+    (src / "llmx.json").write_text(json.dumps(manifest))
+    code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
+    return code, error_line(err) if code else ""
+
+
 @pytest.fixture
 def ckpt_copy(store, tmp_path) -> Path:
     dst = tmp_path / "ckpt"

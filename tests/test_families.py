@@ -75,19 +75,11 @@ def test_calibrate_w8_on_a_new_family(store, tmp_path):
 
 def test_optimize_refuses_a_feature_the_fused_graph_cannot_do(store, tmp_path, capsys):
     """q/k norm as LayerNorm (not RMSNorm) has no fused block: one line naming it, nothing written."""
-    import json
-    import shutil
+    from test_cli import leftovers, optimize_with_model_field
 
-    from test_cli import error_line, leftovers
-
-    src = tmp_path / "layer-qk"
-    shutil.copytree(store.artifact("qwen3"), src)
-    manifest = json.loads((src / "llmx.json").read_text())
-    manifest["model"]["norm"] = "layer"
-    (src / "llmx.json").write_text(json.dumps(manifest))
-    code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
-    assert code != 0 and "q/k norm with LayerNorm" in error_line(err)
-    assert leftovers(tmp_path) == ["layer-qk"]
+    code, error = optimize_with_model_field(store.artifact("qwen3"), "norm", "layer", tmp_path, capsys)
+    assert code != 0 and "q/k norm with LayerNorm" in error
+    assert leftovers(tmp_path) == ["changed"]
 
 
 @pytest.mark.parametrize("option", [["--num-beams", "2"], ["--speculative", "ngram", "--temperature", "0"]])

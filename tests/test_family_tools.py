@@ -40,15 +40,8 @@ def test_calibrate_w8_on_an_moe_model(store, tmp_path):
 
 def test_optimize_refuses_moe_experts_the_fused_op_cannot_run(store, tmp_path, capsys):
     """ONNX Runtime's MoE op runs SwiGLU experts only: other expert MLPs are refused in one line."""
-    import shutil
+    from test_cli import leftovers, optimize_with_model_field
 
-    from test_cli import error_line, leftovers, run
-
-    src = tmp_path / "gelu-experts"
-    shutil.copytree(store.artifact("mixtral"), src)
-    manifest = json.loads((src / "llmx.json").read_text())
-    manifest["model"]["activation"] = "gelu"
-    (src / "llmx.json").write_text(json.dumps(manifest))
-    code, _, err = run(["optimize", str(src), "-o", str(tmp_path / "out")], capsys)
-    assert code != 0 and "MoE experts with a gated gelu MLP have no fused kernel" in error_line(err)
-    assert leftovers(tmp_path) == ["gelu-experts"]
+    code, error = optimize_with_model_field(store.artifact("mixtral"), "activation", "gelu", tmp_path, capsys)
+    assert code != 0 and "MoE experts with a gated gelu MLP have no fused kernel" in error
+    assert leftovers(tmp_path) == ["changed"]
