@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    skip_special_tokens: bool = True  # False shows control tokens that carry meaning (Mistral's [TOOL_CALLS])
 
     def validate(self) -> "SamplingParams":
         """Refuse values outside runtime/params.py's ranges (the server's, word for word)."""

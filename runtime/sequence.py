@@ -97,7 +97,7 @@ class Sequence:
         self.rng = np.random.default_rng(params.seed)
         self.counts: dict[int, int] = {}
         self._context = np.array(self.prompt_ids, dtype=np.int64)
-        self._detok = IncrementalDetokenizer(tokenizer, self.prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, self.prompt_ids, skip_special_tokens=params.skip_special_tokens)
         self._stops = StopStrings(params.stop)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
         self.drafted = self.accepted = 0  # speculative decoding: tokens proposed / accepted

@@ -42,6 +42,10 @@ class Tokenizer:
         """Every token (added ones included) and its id."""
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def added_tokens(self, special_only: bool = False) -> dict[str, int]:
+        """Tokens added to the vocabulary (control and marker tokens): their text and id."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special or not special_only}
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             # encode_batch releases the GIL while it works (encode does not): a 1 MiB prompt held
@@ -88,15 +92,16 @@ class IncrementalDetokenizer:
     space on the first token (SentencePiece) from gluing words together.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], window: int = 5):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], window: int = 5, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - window, 0)
         self.read_offset = len(self.ids)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
@@ -106,7 +111,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back at the end (an incomplete character decodes as U+FFFD)."""
-        decode = self.tokenizer.decode
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
         prefix = decode(self.ids[self.prefix_offset : self.read_offset])
         full = decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)

@@ -8,6 +8,7 @@ Every field has a checker (type and range, with OpenAI's names and limits) and a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,6 +19,8 @@ from llmx.runtime.chat import render_chat
 from llmx.runtime.params import MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Checker, ParamError, check_beam_compatible, integer, invalid, prompt_room, text
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
+from llmx.serve.tool_calls import ToolFormat, detect_format
+from llmx.serve.tool_request import ToolRequest, assistant_calls, tool_request, tool_result
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -106,8 +109,8 @@ CHAT = {
     "top_logprobs": (integer(0, MAX_LOGPROBS), None),
     "max_completion_tokens": (SAMPLING["max_new_tokens"], None),
     "response_format": (unsupported(lambda v: v == {"type": "text"}, 'supports only {"type": "text"}'), None),
-    "tools": (unsupported(lambda v: v == [], "is not supported"), None),
-    "tool_choice": (unsupported(lambda v: v == "none", 'supports only "none"'), None),
+    "tools": (lambda v, n: v, None),  # checked by tool_request
+    "tool_choice": (lambda v, n: v, None),
     "parallel_tool_calls": (boolean, None),
 }
 
@@ -126,6 +129,7 @@ class Job:
     include_usage: bool
     logprobs: int | None  # top alternatives per token, when logprobs were asked for
     beam: list[BeamParams] | None = None  # use_beam_search: one per prompt (its n choices are the best n beams)
+    tools: ToolRequest | None = None  # chat with tools: replies are parsed for calls
 
 
 def parse_body(raw: bytes) -> dict:
@@ -183,32 +187,44 @@ def prompt_ids(value: Any, tokenizer, vocab_size: int, limit: int) -> list[list[
 def chat_messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise invalid_field("messages", "a non-empty list of messages", value)
-    messages = []
+    messages, call_names = [], {}
     for i, m in enumerate(value):
         name = f"messages[{i}]"
         if not isinstance(m, dict):
             raise invalid_field(name, "an object with 'role' and 'content'", m)
         if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise invalid_field(f"{name}.role", f"one of {', '.join(ROLES)}", m.get("role"))
-        content = m.get("content")
-        parts = content if isinstance(content, list) else None
-        if parts is not None and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
-            content = "".join(p["text"] for p in parts)
-        if not isinstance(content, str):
-            raise invalid_field(f"{name}.content", "a string or a list of text parts", m.get("content"))
-        messages.append({"role": m["role"], "content": text(content, f"{name}.content")})
+        calls = assistant_calls(m["tool_calls"], f"{name}.tool_calls") if m["role"] == "assistant" and m.get("tool_calls") else None
+        content = "" if calls and m.get("content") is None else message_text(m.get("content"), f"{name}.content")
+        message = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = calls  # only when present: templates test `'tool_calls' in message`
+            call_names.update((c["id"], c["function"]["name"]) for c in calls)
+        if m["role"] == "tool":
+            message.update(tool_result(m, name, call_names))
+        messages.append(message)
     return messages
 
 
-def parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
-    """Check a request body against the engine it will run on; raise ApiError on anything wrong."""
+def message_text(content: Any, name: str) -> str:
+    parts = content if isinstance(content, list) else None
+    if parts is not None and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        content = "".join(p["text"] for p in parts)
+    if not isinstance(content, str):
+        raise invalid_field(name, "a string or a list of text parts", content)
+    return text(content, name)
+
+
+def parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: ToolFormat | None = None) -> Job:
+    """Check a request body against the engine it will run on; raise ApiError on anything wrong.
+    ``tool_format``: how this model writes tool calls (default: read from its chat template)."""
     try:
-        return _parse_job(raw, chat, engine, served_model)
+        return _parse_job(raw, chat, engine, served_model, tool_format)
     except ParamError as exc:
         raise from_param(exc) from None
 
 
-def _parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
+def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: ToolFormat | None) -> Job:
     f = check_fields(parse_body(raw), CHAT if chat else COMPLETION)
     if f["model"] is not None and f["model"] != served_model:
         raise ApiError(404, f"The model '{f['model']}' does not exist; this server serves '{served_model}'",
@@ -224,8 +240,9 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
         if f["messages"] is None:
             raise bad_request("'messages' is required", param="messages")
         messages = chat_messages(f["messages"])
+        tools = tool_request(f, tool_format or detect_format(engine.tokenizer.chat_template))
         try:
-            rendered = render_chat(engine.tokenizer, messages)
+            rendered = render_chat(engine.tokenizer, messages, **({"tools": tools.template_tools()} if tools else {}))
         except InputError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
         check_chars(rendered, engine.tokenizer, engine.max_seq_len, "messages")
@@ -233,6 +250,7 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
         logprobs = (f["top_logprobs"] or 0) if f["logprobs"] else None
         max_tokens = f["max_completion_tokens"] or f["max_tokens"]
     else:
+        tools = None
         if f["prompt"] is None:
             raise bad_request("'prompt' is required", param="prompt")
         prompts = prompt_ids(f["prompt"], engine.tokenizer, engine.manifest.model.vocab_size, engine.max_seq_len)
@@ -243,7 +261,11 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str) -> Job:
     params = [sampling_params(f, budget, logprobs, j) for budget in budgets for j in range(f["n"])]
     include_usage = bool(f["stream_options"] and f["stream_options"]["include_usage"])
     beam = beam_params(f, budgets, logprobs, chat)
-    return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam)
+    if tools:
+        if beam:
+            raise bad_request("tools cannot be combined with use_beam_search", param="tools", code="unsupported_parameter")
+        params = [with_tools(p, tools, engine.tokenizer) for p in params]
+    return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam, tools)
 
 
 def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -> list[BeamParams] | None:
@@ -267,6 +289,15 @@ def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -
                            ignore_eos=f["ignore_eos"]).validate() for budget in budgets]
     except InputError as exc:
         raise bad_request(str(exc), param="best_of" if not chat else "n") from None
+
+
+def with_tools(params: SamplingParams, tools: ToolRequest, tokenizer) -> SamplingParams:
+    """A choice's params for a request with tools: its calls' marker is shown even where it is a
+    control token (Mistral's [TOOL_CALLS]), so the parser sees it."""
+    special = tokenizer.added_tokens(special_only=True)
+    if any(m in special for m in tools.fmt.markers):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 def fit_context(prompt: list[int], max_tokens: int | None, limit: int, param: str) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from llmx.runtime.sequence import TokenLogprob
 from llmx.serve.protocol import Job
 from llmx.serve.scheduler import Update
+from llmx.serve.tool_calls import Call, Event, ToolCallParser, parse_tool_calls
 
 
 @dataclass
@@ -66,6 +67,9 @@ class Responder:
         self.created = int(time.time())
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.offsets = [0] * len(job.params)  # text offsets for streamed completion logprobs
+        # Streams with tools: one parser per choice, and how many calls each has sent.
+        self.parsers = [ToolCallParser(job.tools.fmt) for _ in job.params] if job.tools else []
+        self.sent = [0] * len(job.params)
 
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -92,7 +96,9 @@ class Responder:
         for i, r in enumerate(results):
             choice = {"index": i, "logprobs": self._logprobs(i, r.logprobs), "finish_reason": r.finish_reason}
             if self.job.chat:
-                choice["message"] = {"role": "assistant", "content": r.text}
+                choice["message"] = self.message(r)
+                if choice["message"].get("tool_calls") and r.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = r.text
             choices.append(choice)
@@ -100,6 +106,18 @@ class Responder:
         usage = self.usage(sum(r.tokens for r in results), self.prompt_cached([r.cached_tokens for r in results]))
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 "usage": usage}
+
+    def message(self, r: ChoiceResult) -> dict:
+        if not self.job.tools:
+            return {"role": "assistant", "content": r.text}
+        content, calls = parse_tool_calls(self.job.tools.fmt, r.text)
+        if not calls:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content, "tool_calls": [self.tool_call(c) for c in calls]}
+
+    def tool_call(self, call: Call) -> dict:
+        return {"id": self.job.tools.fmt.new_id(), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
 
     # -- streamed chunks -----------------------------------------------------------------------
 
@@ -119,6 +137,39 @@ class Responder:
         choice = {"index": u.index, "logprobs": self._logprobs(u.index, u.logprobs), "finish_reason": None}
         choice.update({"delta": {"content": u.text}} if self.job.chat else {"text": u.text})
         return self.chunk([choice])
+
+    def delta_chunks(self, u: Update) -> list[dict]:
+        """The chunks one update makes: its text, or with tools what the parser made of it."""
+        if not self.parsers:
+            return [self.delta_chunk(u)] if u.text or u.logprobs else []
+        chunks = self.tool_chunks(u.index, self.parsers[u.index].feed(u.text))
+        lps = self._logprobs(u.index, u.logprobs) if u.logprobs else None
+        if lps is not None:  # logprobs ride on the update's first chunk (or one of their own)
+            chunks = chunks or [self.chunk([{"index": u.index, "delta": {}, "logprobs": None, "finish_reason": None}])]
+            chunks[0]["choices"][0]["logprobs"] = lps
+        return chunks
+
+    def tool_chunks(self, index: int, events: list[Event]) -> list[dict]:
+        """Content deltas, and per call two deltas: its id, type and name, then its arguments
+        (the official client's stream helpers join them by ``index``)."""
+        deltas = []
+        for e in events:
+            if e.call is None:
+                deltas.append({"content": e.content})
+                continue
+            k, self.sent[index] = self.sent[index], self.sent[index] + 1
+            head = {"index": k, "id": self.job.tools.fmt.new_id(), "type": "function",
+                    "function": {"name": e.call.name, "arguments": ""}}
+            deltas += [{"tool_calls": [head]}, {"tool_calls": [{"index": k, "function": {"arguments": e.call.arguments}}]}]
+        return [self.chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in deltas]
+
+    def finish_chunks(self, index: int, reason: str) -> list[dict]:
+        chunks = []
+        if self.parsers:
+            chunks = self.tool_chunks(index, self.parsers[index].finish())
+            if self.parsers[index].calls and reason == "stop":
+                reason = "tool_calls"
+        return chunks + [self.finish_chunk(index, reason)]
 
     def finish_chunk(self, index: int, reason: str) -> dict:
         choice = {"index": index, "logprobs": None, "finish_reason": reason}

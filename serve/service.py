@@ -23,6 +23,7 @@ from llmx.serve.errors import ApiError
 from llmx.serve.metrics import Metrics
 from llmx.serve.prefix_cache import default_bytes as default_prefix_bytes
 from llmx.serve.protocol import Job, parse_job
+from llmx.serve.tool_calls import FORMATS, ToolFormat
 from llmx.serve.responses import ChoiceResult, Responder, sse
 from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
 
@@ -37,7 +38,7 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
                   threads: int | None = None, spin: bool = False, low_memory: bool = False,
                   prefix_cache_mb: int | None = None, speculative: str | None = None,
-                  draft: str | None = None, num_draft_tokens: int = 4) -> "Service":
+                  draft: str | None = None, num_draft_tokens: int = 4, tool_call_format: str | None = None) -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
     ``api_key`` defaults to the LLMX_API_KEY environment variable; without either, no key is asked.
@@ -48,7 +49,8 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
     (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off; None: the KV of ``max_batch``
     full-context sequences, at most 256 MiB, serve/prefix_cache.py);
     ``speculative`` ("ngram" or "draft" with ``draft``, an artifact) drafts ``num_draft_tokens``
-    per step for every request (docs/decoding.md).
+    per step for every request (docs/decoding.md). ``tool_call_format`` names how the model writes
+    tool calls (serve/tool_calls.py FORMATS) where its chat template does not tell.
     """
     if (artifact is None) == (engine is None):
         raise InputError("the server needs an artifact directory or a loaded engine (one of them)")
@@ -56,6 +58,8 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
                              ("max_body_bytes", max_body_bytes, 1), ("prefix_cache_mb", 0 if prefix_cache_mb is None else prefix_cache_mb, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+    if tool_call_format is not None and tool_call_format not in FORMATS:
+        raise InputError(f"unknown tool-call format {tool_call_format!r}: one of {', '.join(FORMATS)}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     name = model_name or Path(artifact or engine.artifact).resolve().name
     if engine is None:
@@ -86,7 +90,9 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
     else:
         prefix_bytes = prefix_cache_mb << 20
     scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_bytes, load_drafter).start()
-    return Service(scheduler, name, key, keepalive_s, max_body_bytes)
+    service = Service(scheduler, name, key, keepalive_s, max_body_bytes)
+    service.tool_format = FORMATS.get(tool_call_format)
+    return service
 
 
 class BaseService:
@@ -174,6 +180,7 @@ class Service(BaseService):
         super().__init__(scheduler, model_name, api_key, keepalive_s, max_body_bytes)
         self.scheduler = scheduler
         self.draining = threading.Event()  # set on SIGTERM: admit nothing new
+        self.tool_format: ToolFormat | None = None  # None: read from the model's chat template
         self._inflight = 0  # generation answers not yet fully sent (guarded by _lock)
         self._lock = threading.Lock()
 
@@ -234,7 +241,7 @@ class Service(BaseService):
         self.check_size(raw)
         self.check_admitting()
         engine = self.engine()
-        job = parse_job(raw, chat, engine, self.model_name)
+        job = parse_job(raw, chat, engine, self.model_name, self.tool_format)
         seqs = [Sequence(job.prompts[i // job.n], p, engine.tokenizer, engine.max_seq_len) for i, p in enumerate(job.params)]
         if len(seqs) > self.scheduler.capacity:
             raise ApiError(400, f"request asks for {len(seqs)} sequences; this server holds at most "
@@ -330,11 +337,12 @@ class EventStream:
                 yield sse("[DONE]")  # the stream ends cleanly: clients tell this from a dropped connection
                 return
             tokens[u.index], cached[u.index] = u.tokens, u.cached_tokens
-            if u.text or u.logprobs:
-                yield sse(r.delta_chunk(u))
+            for chunk in r.delta_chunks(u):
+                yield sse(chunk)
             if u.finish_reason is not None:
                 pending -= 1
-                yield sse(r.finish_chunk(u.index, u.finish_reason))
+                for chunk in r.finish_chunks(u.index, u.finish_reason):
+                    yield sse(chunk)
         self.complete = True
         if self.job.include_usage:
             yield sse(r.usage_chunk(sum(tokens), r.prompt_cached(cached)))

@@ -20,7 +20,8 @@ CHAT_TEMPLATE = (
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def train_tokenizer(directory: Path, vocab_size: int = 320) -> int:
+def train_tokenizer(directory: Path, vocab_size: int = 320, added_tokens: tuple[str, ...] = ()) -> int:
+    """``added_tokens``: extra tokens of their own after training (not special, as Qwen's <tool_call>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -33,6 +34,7 @@ def train_tokenizer(directory: Path, vocab_size: int = 320) -> int:
     )
     tok.train_from_iterator([inspect.getsource(textwrap), inspect.getsource(json)], trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.add_tokens(list(added_tokens))
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
@@ -80,13 +82,13 @@ def _issue14_configs(T) -> dict:
 
 
 def make_checkpoint(directory: Path, family: str = "llama", seed: int = 0, random_vectors: bool = False,
-                    **overrides) -> Path:
+                    added_tokens: tuple[str, ...] = (), **overrides) -> Path:
     """``random_vectors``: norm weights and biases get noise too, so no two are equal (the exporter
     would merge equal initializers) and a norm applied to the wrong tensor shows in the logits."""
     import torch
     import transformers as T
 
-    vocab = train_tokenizer(directory)
+    vocab = train_tokenizer(directory, added_tokens=added_tokens)
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(make_config(family, vocab, **overrides))
     # Random init is near-uniform over the vocab; scale up so greedy choices are decisive
