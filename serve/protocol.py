@@ -264,7 +264,7 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
     if tools:
         if beam:
             raise bad_request("tools cannot be combined with use_beam_search", param="tools", code="unsupported_parameter")
-        params = [with_tools(p, tools, engine.tokenizer) for p in params]
+        params = with_tools(params, tools, engine)
     return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam, tools)
 
 
@@ -291,13 +291,23 @@ def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -
         raise bad_request(str(exc), param="best_of" if not chat else "n") from None
 
 
-def with_tools(params: SamplingParams, tools: ToolRequest, tokenizer) -> SamplingParams:
-    """A choice's params for a request with tools: its calls' marker is shown even where it is a
-    control token (Mistral's [TOOL_CALLS]), so the parser sees it."""
-    special = tokenizer.added_tokens(special_only=True)
-    if any(m in special for m in tools.fmt.markers):
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    return params
+def with_tools(params: list[SamplingParams], tools: ToolRequest, engine) -> list[SamplingParams]:
+    """Each choice's params for a request with tools: held to the tool-call grammar, and shown
+    the calls' marker even where it is a control token (Mistral's [TOOL_CALLS])."""
+    changes = {"constraint": tool_constraint(tools, engine)}
+    if any(m in engine.tokenizer.added_tokens(special_only=True) for m in tools.fmt.markers):
+        changes["skip_special_tokens"] = False
+    return [dataclasses.replace(p, **changes) for p in params]
+
+
+def tool_constraint(tools: ToolRequest, engine):
+    from llmx.runtime.constraints import ConstraintError, ConstraintSpec, compile_constraint
+
+    grammar = tools.grammar(engine.tokenizer.added_tokens())
+    try:
+        return compile_constraint(ConstraintSpec.lark(grammar), engine.tokenizer, engine.manifest.model.vocab_size)
+    except ConstraintError as exc:
+        raise bad_request(f"the tools cannot be enforced: {exc}", param="tools", code="invalid_tool_schema") from None
 
 
 def fit_context(prompt: list[int], max_tokens: int | None, limit: int, param: str) -> int:

@@ -51,7 +51,7 @@ class ToolRequest:
         if not self.fmt.anywhere:  # a reply is calls, or text that does not open like one
             return "start: calls | PLAIN\nPLAIN: /([^{](.|\\n)*)?/\n" + rules
         return "start: TEXT | TEXT calls\nTEXT: /(.|\\n)*/\n" + rules if _opens_with_token(self.fmt, added_tokens) \
-            else "start: TEXT | OPENING calls_tail\nTEXT: /(.|\\n)*/\n" + _lazy_opening(self.fmt, functions, most, added_tokens)
+            else "start: TEXT | opening calls_tail\nTEXT: /(.|\\n)*/\n" + _lazy_opening(self.fmt, functions, most, added_tokens)
 
 
 def _marker(fmt: ToolFormat) -> str:
@@ -67,7 +67,7 @@ def _opens_with_token(fmt: ToolFormat, added_tokens: dict[str, int]) -> bool:
 def _lazy_opening(fmt: ToolFormat, functions: list[dict], most: int | None, added_tokens: dict[str, int]) -> str:
     marker = _marker(fmt)
     tail = call_rules(fmt, functions, most, added_tokens, drop=len(marker)).replace("calls:", "calls_tail:", 1)
-    return f"OPENING[lazy]: /(.|\\n)*{re.escape(marker)}/\n" + tail
+    return f"opening[lazy]: /(.|\\n)*{re.escape(marker)}/\n" + tail
 
 
 def lark_text(text: str, added_tokens: dict[str, int]) -> str:
@@ -92,7 +92,7 @@ def call_rules(fmt: ToolFormat, functions: list[dict], most: int | None, added_t
              "call: " + " | ".join(f"fn_{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):
         head = '{"name": ' + json.dumps(f["name"]) + f', "{fmt.args_key}": '
-        schema = {**f.get("parameters", NO_PARAMETERS), "x-guidance": JSON_STYLE}
+        schema = {**(f.get("parameters") or NO_PARAMETERS), "x-guidance": JSON_STYLE}
         lines.append(f"fn_{i}: {lit(head)} %json {json.dumps(schema)} {lit('}')}")
     return "\n".join(lines) + "\n"
 
@@ -118,16 +118,15 @@ def check_tools(value: Any) -> list[dict]:
         if "description" in f and not isinstance(f["description"], str):
             raise bad_request(f"'{where}.function.description' must be a string", param=where)
         names.add(f["name"])
-        function = {k: v for k, v in f.items() if k in ("name", "description") and v is not None}
-        function["parameters"] = check_parameters(f.get("parameters"), f"{where}.function.parameters")
-        tools.append({"type": "function", "function": function})
+        check_parameters(f.get("parameters"), f"{where}.function.parameters")
+        tools.append({"type": "function", "function": dict(f)})  # rendered as sent, as transformers does
     return tools
 
 
-def check_parameters(schema: Any, where: str) -> dict:
+def check_parameters(schema: Any, where: str) -> None:
     """A JSON schema llguidance compiles (refused with its reason otherwise)."""
     if schema is None:
-        return dict(NO_PARAMETERS)
+        return
     if not isinstance(schema, dict):
         raise bad_request(f"'{where}' must be a JSON schema object", param=where)
     from llguidance import LLMatcher
@@ -139,7 +138,6 @@ def check_parameters(schema: Any, where: str) -> dict:
     if error:
         raise bad_request(f"'{where}' is not a JSON schema llmx can enforce: {error.splitlines()[0][:300]}",
                           param=where, code="invalid_tool_schema")
-    return schema
 
 
 def check_tool_choice(value: Any, tools: list[dict]) -> str:

@@ -89,29 +89,42 @@ TOOLS = check_tools([
 ])
 
 
-@pytest.fixture(scope="module")
-def llg_tokenizer(tmp_path_factory):
-    """The tiny test tokenizer with Hermes' and Mistral's markers as tokens of their own."""
+def tiny_tokenizer(directory, added: tuple[str, ...]):
+    """(llguidance's tokenizer, the tokenizers one, added tokens) of the tiny test tokenizer."""
     import llguidance
-    from checkpoints import train_tokenizer
-
-    directory = tmp_path_factory.mktemp("tok")
-    train_tokenizer(directory, added_tokens=(*HERMES_TOKENS, "[TOOL_CALLS]"))
-    tok = llguidance.LLTokenizer(str(directory / "tokenizer.json"), eos_token=2)
     from tokenizers import Tokenizer
 
+    from checkpoints import train_tokenizer
+
+    train_tokenizer(directory, added_tokens=added)
     hf = Tokenizer.from_file(str(directory / "tokenizer.json"))
     added = {t.content: i for i, t in hf.get_added_tokens_decoder().items()}
-    return tok, hf, added
+    return llguidance.LLTokenizer(str(directory / "tokenizer.json"), eos_token=2), hf, added
 
 
-def sample_under(grammar: str, tok, hf, seed: int, first: int | None = None, steps: int = 200) -> str:
-    """Random tokens under ``grammar`` (``first`` forced as the first token when given)."""
+@pytest.fixture(scope="module")
+def llg_tokenizer(tmp_path_factory):
+    """With Hermes' and Mistral's markers as tokens of their own."""
+    return tiny_tokenizer(tmp_path_factory.mktemp("tok"), (*HERMES_TOKENS, "[TOOL_CALLS]"))
+
+
+@pytest.fixture(scope="module")
+def plain_tokenizer(tmp_path_factory):
+    """Without them: a marker is plain text, spelled by ordinary tokens."""
+    return tiny_tokenizer(tmp_path_factory.mktemp("plain"), ())
+
+
+def sample_under(grammar: str, tok, hf, seed: int, first: int | None = None, steps: int = 200, prefix: str = "",
+                 complete: bool = True) -> str:
+    """Random tokens under ``grammar`` after ``prefix`` (``first`` forced as the first token when given);
+    ``complete``: the grammar must have ended (a call), not just the steps (free text)."""
     import llguidance
 
     matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    rng, out = np.random.default_rng(seed), []
+    out = hf.encode(prefix, add_special_tokens=False).ids
+    assert matcher.consume_tokens(out), matcher.get_error()
+    rng = np.random.default_rng(seed)
     for step in range(steps):
         if matcher.is_stopped():
             break
@@ -126,7 +139,7 @@ def sample_under(grammar: str, tok, hf, seed: int, first: int | None = None, ste
             break
         assert matcher.consume_token(token), matcher.get_error()
         out.append(token)
-    assert matcher.is_accepting()
+    assert matcher.is_accepting() or not complete
     return hf.decode(out, skip_special_tokens=False)
 
 
@@ -155,11 +168,23 @@ def test_constrained_replies_are_valid_calls_the_parser_reads(llg_tokenizer, fmt
 def test_auto_is_free_text_until_the_marker_then_a_valid_call(llg_tokenizer, fmt):
     tok, hf, added = llg_tokenizer
     grammar = ToolRequest(FORMATS[fmt], TOOLS, "auto", False).grammar(added)
-    free = sample_under(grammar, tok, hf, seed=1, steps=30)
+    free = sample_under(grammar, tok, hf, seed=1, steps=30, complete=False)
     assert parse_tool_calls(FORMATS[fmt], free) == (free, [])
     marker = added[FORMATS[fmt].markers[0]]
     content, calls = parse_tool_calls(FORMATS[fmt], sample_under(grammar, tok, hf, seed=2, first=marker))
     assert len(calls) == 1 and valid_call(calls[0])
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral"])
+def test_auto_with_a_marker_made_of_plain_text_constrains_the_call_after_it(plain_tokenizer, fmt):
+    tok, hf, added = plain_tokenizer
+    grammar = ToolRequest(FORMATS[fmt], TOOLS, "auto", False).grammar(added)
+    assert "[lazy]" in grammar
+    text = sample_under(grammar, tok, hf, seed=4, prefix="Let me see. ", complete=False)
+    assert parse_tool_calls(FORMATS[fmt], text)[1] == []
+    for seed in range(3):
+        content, calls = parse_tool_calls(FORMATS[fmt], sample_under(grammar, tok, hf, seed, prefix="Sure. " + FORMATS[fmt].markers[0]))
+        assert content == "Sure. " and len(calls) == 1 and valid_call(calls[0])
 
 
 def test_llama3_auto_reply_opening_with_a_brace_is_a_valid_call(llg_tokenizer):

@@ -151,7 +151,7 @@ def make_tool_checkpoint(directory: Path, template: str, added: list[str]) -> Pa
     """A tiny random Llama whose tokenizer has ``added`` tokens and whose chat template is ``template``."""
     from checkpoints import make_checkpoint
 
-    make_checkpoint(directory, "llama", added_tokens=tuple(added))
+    make_checkpoint(directory, "llama", added_tokens=tuple(added), max_position_embeddings=2048)  # tools make long prompts
     config = json.loads((directory / "tokenizer_config.json").read_text())
     (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return directory
