@@ -42,6 +42,10 @@ class Tokenizer:
         """Every token (added ones included) and its id."""
         return self._tok.get_vocab(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (constrained decoding builds its own index from it)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             # encode_batch releases the GIL while it works (encode does not): a 1 MiB prompt held
