@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from llmx.errors import InputError
+from llmx.runtime.constraints import prefetch_masks
 from llmx.rope import long_context_threshold
 from llmx.runtime.sequence import Sequence
 
@@ -45,6 +46,7 @@ class Batch:
         # reused: the server's prefix cache keeps the KV of what it generated.
         self.on_leave: Callable[[Sequence, object, int], None] | None = None
         self.long_rope_at = long_rope_threshold(backend)
+        self.constrained = 0  # active sequences with a grammar: the only ones that pay for masks
 
     @property
     def free_rows(self) -> int:
@@ -61,6 +63,7 @@ class Batch:
         logits = self.backend.prefill(self.cache, rows, [s.prompt_ids for s in seqs], padding)
         self.active.extend(seqs)
         self.next_ids.extend(0 for _ in seqs)
+        self.constrained += sum(s.constraint is not None for s in seqs)
         return self._sample(logits, start)
 
     def join(self, seq: Sequence, entries: list[np.ndarray], logits: np.ndarray) -> list[Event]:
@@ -73,6 +76,7 @@ class Batch:
         self.cache.write(row, entries)
         self.active.append(seq)
         self.next_ids.append(0)
+        self.constrained += seq.constraint is not None
         return self._sample(logits[None], row)
 
     def step(self) -> list[Event]:
@@ -83,7 +87,11 @@ class Batch:
         if self._long_rope_starts():
             return self._recompute()
         ids = np.asarray(self.next_ids, dtype=np.int64)[:, None]
+        # Grammar masks for this step's tokens are computed in llguidance's threads meanwhile.
+        masks = prefetch_masks(s.constraint for s in self.active if s.constraint is not None) if self.constrained else None
         logits = self.backend.decode(self.cache, ids)[:, 0]
+        if masks is not None:
+            masks.result()
         return self._sample(logits, 0)
 
     def _long_rope_starts(self) -> bool:
@@ -118,6 +126,7 @@ class Batch:
                 continue
             if self.on_leave is not None:
                 self.on_leave(self.active[i], self.cache, i)
+            self.constrained -= self.active[i].constraint is not None
             last = len(self.active) - 1
             self._move_row(last, i)
             self.active[i], self.next_ids[i] = self.active[last], self.next_ids[last]

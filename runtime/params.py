@@ -19,6 +19,7 @@ MAX_STOPS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 4096
 MAX_LOGPROBS = 20  # OpenAI's limit
 MAX_CHOICES = 64  # prompts x n: sequences one request may ask for
+MAX_LOGIT_BIAS = 1024  # entries: bounds the per-token work a request can ask for
 
 Checker = Callable[[Any, str], Any]
 
@@ -79,6 +80,35 @@ def stop_strings(value, name):
     return list(stops)
 
 
+def logit_bias(vocab_size: int | None = None) -> Checker:
+    """OpenAI's ``{"token id": bias}`` (ids as strings in JSON, ints from the CLI), biases in
+    [-100, 100]; with ``vocab_size`` the ids must be below it. Returns {int id: float bias}."""
+    ids = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+    rule = f"an object mapping at most {MAX_LOGIT_BIAS} token ids ({ids}) to numbers in [-100, 100]"
+
+    def token_id(key) -> int | None:
+        if isinstance(key, int) and not isinstance(key, bool):
+            tid = key
+        elif isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12:
+            tid = int(key)
+        else:
+            return None
+        return tid if tid >= 0 and (vocab_size is None or tid < vocab_size) else None
+
+    def check(value, name):
+        if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+            raise invalid(name, rule, value)
+        out = {}
+        for key, bias in value.items():
+            tid = token_id(key)
+            if tid is None:
+                raise invalid(f"{name}[{shown(key)}]", f"a key that is a token id {ids}", key)
+            out[tid] = number(-100, 100)(bias, f"{name}[{shown(key)}]")
+        return out
+
+    return check
+
+
 def text(value: str, name: str) -> str:
     """A string the tokenizer can take: JSON's lone UTF-16 surrogates ("\\ud800") are not text."""
     try:
@@ -102,6 +132,7 @@ SAMPLING: dict[str, Checker] = {
     "seed": integer(0, 2**63 - 1),
     "logprobs": integer(0, MAX_LOGPROBS),
     "stop": stop_strings,
+    "logit_bias": logit_bias(),
 }
 BEAM: dict[str, Checker] = {
     "length_penalty": number(-10, 10),
@@ -121,7 +152,7 @@ def check_sampling(values: dict[str, Any]) -> None:
 NOT_FOR_BEAMS: dict[str, tuple] = {
     "temperature": (0.0, 1.0), "top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,), "typical_p": (1.0,),
     "repetition_penalty": (1.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "stop": ([],),
-    "logprobs": (None,),
+    "logprobs": (None,), "logit_bias": (None, {}),
 }
 
 

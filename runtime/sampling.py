@@ -8,10 +8,14 @@ sequence's tokens never depend on what else is in the batch). ``temperature == 0
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llmx.runtime.params import SAMPLING, check_sampling
+
+if TYPE_CHECKING:
+    from llmx.runtime.constraints import CompiledConstraint
 
 
 @dataclass
@@ -31,6 +35,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
     skip_special_tokens: bool = True  # False shows control tokens that carry meaning (Mistral's [TOOL_CALLS])
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit; -100 bans it
+    constraint: "CompiledConstraint | None" = None  # output must match it (runtime/constraints.py)
 
     def validate(self) -> "SamplingParams":
         """Refuse values outside runtime/params.py's ranges (the server's, word for word)."""

@@ -71,6 +71,13 @@ class StopStrings:
         return out
 
 
+def _bias_arrays(bias: dict) -> tuple[np.ndarray, np.ndarray]:
+    """logit_bias as (ids, biases) arrays; -100 bans a token outright, as OpenAI's does."""
+    ids = np.fromiter((int(k) for k in bias), dtype=np.int64, count=len(bias))
+    values = np.fromiter((-np.inf if v <= -100 else v for v in bias.values()), dtype=np.float32, count=len(bias))
+    return ids, values
+
+
 @functools.lru_cache(maxsize=256)
 def _failure(pattern: str) -> tuple[int, ...]:
     """KMP failure table: for each prefix, the length of its longest proper border."""
@@ -102,6 +109,9 @@ class Sequence:
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_token_ids))
         self.drafted = self.accepted = 0  # speculative decoding: tokens proposed / accepted
         self.cached_tokens = 0  # prompt tokens whose KV came from a prefix cache (server)
+        # Constrained decoding and logit_bias: None unless asked for, so other rows skip them.
+        self.constraint = params.constraint.matcher() if params.constraint is not None else None
+        self._bias = _bias_arrays(params.logit_bias) if params.logit_bias else None
 
     @property
     def finished(self) -> bool:
@@ -127,6 +137,13 @@ class Sequence:
         work = logits.astype(np.float32, copy=True)
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             work = apply_penalties(work, p, self._context, self.counts)
+        if self._bias is not None:
+            ids, bias = self._bias
+            work[ids] += bias
+        if self.constraint is not None:
+            self.constraint.mask_logits(work)
+            if self._bias is not None and not np.isfinite(work.max()):  # logit_bias banned all the grammar allows
+                work = self.constraint.mask_logits(logits.astype(np.float32, copy=True))
         return work
 
     def record_logprob(self, logits: np.ndarray, token: int) -> None:
@@ -151,6 +168,9 @@ class Sequence:
         if hit:
             self.finish_reason = "stop"
             return emitted
+        if self.constraint is not None and (not self.constraint.advance(token) or self.constraint.finished):
+            self.finish_reason = "stop"  # the grammar is complete: nothing else may follow
+            return emitted + self._finish_text()
         if len(self.output_ids) >= self.params.max_new_tokens or self.length >= self.max_len:
             self.finish_reason = "length"
             return emitted + self._finish_text()

@@ -121,6 +121,13 @@ def verify(seq: Sequence, logits: np.ndarray, draft: Draft) -> tuple[int, int, s
     return kept, token, text
 
 
+def refuse_constraint(seq: Sequence) -> None:
+    """Drafts are verified against the unconstrained distribution: grammars are not supported yet."""
+    if seq.constraint is not None:
+        raise InputError("constrained decoding (a JSON schema, regex or grammar) and speculative decoding do not combine "
+                         "yet: drop one of them")
+
+
 class SpeculativeBatch(Batch):
     """A Batch whose step drafts with ``drafter`` and verifies every row's draft in one call."""
 
@@ -132,12 +139,14 @@ class SpeculativeBatch(Batch):
 
     def admit(self, seqs: list[Sequence], padding: str = "right") -> list[Event]:
         for seq in seqs:
+            refuse_constraint(seq)
             refuse_long_rope_crossing(self.backend, len(seq.prompt_ids), seq.params.max_new_tokens, "speculative decoding")
         events = super().admit(seqs, padding)
         self._start(seqs)
         return events
 
     def join(self, seq: Sequence, entries: list[np.ndarray], logits: np.ndarray) -> list[Event]:
+        refuse_constraint(seq)
         events = super().join(seq, entries, logits)
         self._start([seq])
         return events

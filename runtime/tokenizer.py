@@ -46,6 +46,10 @@ class Tokenizer:
         """Tokens added to the vocabulary (control and marker tokens): their text and id."""
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special or not special_only}
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizers' JSON (constrained decoding builds its own index from it)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             # encode_batch releases the GIL while it works (encode does not): a 1 MiB prompt held

@@ -24,6 +24,10 @@ from tqdm import tqdm  # noqa: E402
 
 from demo_data import EXCLUDED_DIRS, HELD_OUT_PERCENT, stdlib_files  # noqa: E402  (this script's folder is on sys.path)
 
+# ChatML-like turns spelled in plain text (the 4096-token vocabulary has no special tokens for them),
+# with Hermes-style <tool_call> JSON and the Jinja `tools` variable, as Qwen's templates have.
+CHAT_TEMPLATE = '{%- if tools %}\n<|im_start|>system\n{% if messages[0].role in (\'system\', \'developer\') %}{{ messages[0].content }}\n\n{% endif %}You may call one or more functions. The functions, as JSON schemas:\n<tools>\n{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}\n{% endfor %}</tools>\nTo call one, answer with <tool_call>{"name": "...", "arguments": {...}}</tool_call>.<|im_end|>\n{% elif messages[0].role in (\'system\', \'developer\') %}\n<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}\n{%- for message in messages %}\n{%- if loop.first and message.role in (\'system\', \'developer\') %}\n{%- elif message.role == \'tool\' %}\n<|im_start|>tool\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n{% else %}\n<|im_start|>{{ message.role }}\n{% if message.content %}{{ message.content }}{% endif %}\n{%- for call in message.tool_calls or [] %}\n{%- set fn = call.function if call.function is defined else call %}\n<tool_call>{"name": {{ fn.name | tojson }}, "arguments": {{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}}</tool_call>\n{%- endfor %}<|im_end|>\n{% endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}\n'
+
 EOT, PAD = "<|endoftext|>", "<|pad|>"  # ids 0 and 1; EOT is BOS and EOS, as in GPT-2
 MODEL = dict(hidden_size=256, intermediate_size=576, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -183,7 +187,7 @@ def main() -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "pad_token": PAD,
-        "add_bos_token": True, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+        "add_bos_token": True, "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     stats = dict(params=n_params, steps=steps, tokens_seen=steps * args.batch * args.seq, train_minutes=train_minutes,
                  total_minutes=(time.time() - t0) / 60, held_nll=nll, windows=windows, log=log, size=(out / "model.safetensors").stat().st_size,
                  train_files=len(train_rels), train_tokens=len(train_data), held_tokens=len(held_data), plans=plans)

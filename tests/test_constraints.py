@@ -1,0 +1,155 @@
+"""Constrained decoding in the runtime (runtime/constraints.py) on the built-in demo model: what
+the grammar allows is all that comes out, EOS only where it accepts, bad grammars are refused up
+front with one line, rows without a constraint decode exactly as before, and logit_bias."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from llmx.errors import InputError, MissingDependencyError
+from llmx.runtime.constraints import ConstraintError, ConstraintSpec, compile_constraint
+from llmx.runtime.generate import generate
+from llmx.runtime.params import ParamError, logit_bias
+from llmx.runtime.sampling import SamplingParams
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "role": {"enum": ["admin", "user"]}},
+          "required": ["name", "age", "role"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine(demo_artifact):
+    from llmx.runtime.engine import Engine
+
+    return Engine.load(demo_artifact, threads=1)
+
+
+def compiled(engine, spec):
+    return compile_constraint(spec, engine.tokenizer, engine.manifest.model.vocab_size)
+
+
+def run(engine, prompts, params):
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    return generate(engine.backend, engine.tokenizer, ids, params)
+
+
+@pytest.mark.parametrize("spec, words", [
+    (ConstraintSpec("json_schema", '{"type": "strin"}'), "invalid JSON schema: Invalid type: strin"),
+    (ConstraintSpec.json_schema({"not": {"type": "string"}}), 'Unimplemented keys: ["not"]'),
+    (ConstraintSpec.json_schema({"type": "string", "pattern": "(?=a)"}), "look-around"),
+    (ConstraintSpec.json_schema({"allOf": [{"type": "string"}, {"type": "integer"}]}), "Unsatisfiable schema"),
+    (ConstraintSpec.regex("a(b"), "unclosed group"),
+    (ConstraintSpec.lark('start: "a" b'), "unknown name"),
+    (ConstraintSpec.lark('start: x\nx: x "a"'), "grammar cannot match any text"),
+])
+def test_unusable_constraints_are_refused_with_one_line(engine, spec, words):
+    with pytest.raises(ConstraintError) as exc:
+        compiled(engine, spec)
+    assert words in str(exc.value) and "\n" not in str(exc.value)
+    assert isinstance(exc.value, InputError)  # CLI exit 2, HTTP 400
+
+
+def test_spec_checks_its_own_shape():
+    with pytest.raises(ConstraintError, match="kind must be one of"):
+        ConstraintSpec("yaml", "x")
+    with pytest.raises(ConstraintError, match="not valid JSON"):
+        ConstraintSpec.json_schema("{nope")
+    assert ConstraintSpec.json_schema('{"b": 1, "a": 2}') == ConstraintSpec.json_schema({"b": 1, "a": 2})
+
+
+def test_missing_llguidance_is_one_line(engine, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(MissingDependencyError, match="needs llguidance, which is not installed"):
+        ConstraintSpec.regex("[0-9]+").grammar()
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts(engine):
+    m = compiled(engine, ConstraintSpec.regex("ab?")).matcher()
+    eos = engine.tokenizer.eos_token_ids[0]
+    assert not m.mask()[eos] and not m.accepting
+    a = engine.tokenizer.encode("a", add_special_tokens=False)
+    assert len(a) == 1 and m.mask()[a[0]]
+    m.advance(a[0])
+    assert m.accepting and m.mask()[eos] and not m.finished
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_matches_regex_and_stops_when_done(engine, temperature):
+    params = SamplingParams(max_new_tokens=40, temperature=temperature, seed=3,
+                            constraint=compiled(engine, ConstraintSpec.regex(r"[0-9]{3}-[a-z]{2,4}")))
+    seq = run(engine, ["def fibonacci(n):"], params)[0]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", seq.text), seq.text
+    assert seq.finish_reason == "stop"
+
+
+def test_generation_follows_a_json_schema(engine):
+    params = [SamplingParams(max_new_tokens=60, temperature=t, seed=s, constraint=compiled(engine, ConstraintSpec.json_schema(PERSON)))
+              for t, s in ((0.0, None), (0.8, 1), (0.8, 2))]
+    for seq in run(engine, ["import os\n"] * 3, params):
+        value = json.loads(seq.text)
+        assert set(value) == {"name", "age", "role"} and 0 <= value["age"] <= 150 and value["role"] in ("admin", "user")
+        assert seq.finish_reason == "stop"
+
+
+def test_lark_grammar_with_embedded_json(engine):
+    # %json blocks allow free whitespace unless the schema's x-guidance says otherwise (JSON_DEFAULTS
+    # applies to json_schema specs only): a noisy model would pad with newlines.
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+              "x-guidance": {"whitespace_flexible": False}}
+    grammar = f'start: "<tool_call>" %json{json.dumps(schema)} "</tool_call>"'
+    seq = run(engine, ["x = "], SamplingParams(max_new_tokens=40, temperature=0, constraint=compiled(engine, ConstraintSpec.lark(grammar))))[0]
+    body = re.fullmatch(r"<tool_call>(.*)</tool_call>", seq.text)
+    assert body and isinstance(json.loads(body.group(1))["x"], int)
+
+
+def test_rows_without_a_constraint_decode_exactly_as_before(engine):
+    alone = run(engine, ["def main():"], SamplingParams(max_new_tokens=24, temperature=0))[0].output_ids
+    plain = SamplingParams(max_new_tokens=24, temperature=0)
+    bound = SamplingParams(max_new_tokens=24, temperature=0, constraint=compiled(engine, ConstraintSpec.json_object()))
+    mixed = run(engine, ["import sys\n", "def main():", "class A:"], [bound, plain, bound])
+    assert mixed[1].output_ids == alone
+    assert mixed[1].constraint is None and mixed[0].constraint is not None
+
+
+def test_logit_bias_bans_and_boosts(engine):
+    greedy = run(engine, ["def main():"], SamplingParams(max_new_tokens=8, temperature=0))[0].output_ids
+    banned = run(engine, ["def main():"], SamplingParams(max_new_tokens=8, temperature=0, logit_bias={greedy[0]: -100}))[0]
+    assert banned.output_ids[0] != greedy[0]
+    target = engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    boosted = run(engine, ["def main():"], SamplingParams(max_new_tokens=4, temperature=0, logit_bias={target: 100}))[0]
+    assert boosted.output_ids == [target] * 4
+
+
+def test_logit_bias_rule_shared_by_cli_and_server():
+    check = logit_bias(4096)
+    assert check({"5": 1, 7: -100}, "logit_bias") == {5: 1.0, 7: -100.0}
+    for bad, words in (({"4096": 1}, r"token id in \[0, 4096\)"), ({"-1": 1}, "token id"), ({"5": 101}, r"\[-100, 100\]"),
+                       ([1], "an object mapping"), ({"x": 1}, "token id")):
+        with pytest.raises(ParamError, match=words):
+            check(bad, "logit_bias")
+
+
+def test_speculative_decoding_refuses_a_constraint(engine):
+    from llmx.runtime.drafters import make_drafter
+
+    params = SamplingParams(max_new_tokens=8, temperature=0, constraint=compiled(engine, ConstraintSpec.json_object()))
+    drafter = make_drafter("ngram", engine, 3)
+    with pytest.raises(InputError, match="speculative decoding do not combine"):
+        generate(engine.backend, engine.tokenizer, [engine.tokenizer.encode("x")], params, drafter=drafter)
+
+
+def test_masks_prefetched_during_the_model_step_equal_computed_ones(engine):
+    from llmx.runtime.constraints import prefetch_masks
+
+    c = compiled(engine, ConstraintSpec.json_schema(PERSON))
+    a, b = c.matcher(), c.matcher()
+    for token in engine.tokenizer.encode('{"name":"x', add_special_tokens=False):
+        assert a.advance(token) and b.advance(token)
+    prefetch_masks([a]).result()
+    assert np.array_equal(a.mask(), b.mask()) and a.mask().sum() > 1
