@@ -209,3 +209,16 @@ def test_model_without_a_tool_format_refuses_tools(llama_engine):
     assert refused.value.status == 400 and refused.value.code == "tools_unsupported"
     job = parse_job(body, True, llama_engine, "m", TABLE["hermes"])  # --tool-call-format names it
     assert job.tools.fmt.name == "hermes" and job.params[0].constraint is not None
+
+
+def test_control_tokens_are_shown_when_a_marker_is_one(llama_engine):
+    """Mistral's [TOOL_CALLS] is a control token: decoded as usual it would vanish before the parser."""
+    from llmx.runtime.tokenizer import IncrementalDetokenizer
+
+    tok = llama_engine.tokenizer
+    marker = "<|user|>"  # a control token of the tiny tokenizer, standing in for [TOOL_CALLS]
+    assert marker in tok.added_tokens(special_only=True)
+    ids = [tok.added_tokens()[marker], *tok.encode("[1]", add_special_tokens=False)]
+    for skip, shown in ((True, "[1]"), (False, marker + "[1]")):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+        assert "".join(detok.push(i) for i in ids) + detok.flush() == shown
