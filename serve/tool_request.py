@@ -48,10 +48,34 @@ class ToolRequest:
         rules = call_rules(self.fmt, functions, most, added_tokens)
         if self.choice != "auto":
             return "start: calls\n" + rules
+        free = _free_rules(self.fmt, added_tokens)
         if not self.fmt.anywhere:  # a reply is calls, or text that does not open like one
-            return "start: calls | PLAIN\nPLAIN: /([^{](.|\\n)*)?/\n" + rules
-        return "start: TEXT | TEXT calls\nTEXT: /(.|\\n)*/\n" + rules if _opens_with_token(self.fmt, added_tokens) \
-            else "start: TEXT | opening calls_tail\nTEXT: /(.|\\n)*/\n" + _lazy_opening(self.fmt, functions, most, added_tokens)
+            opening = "(PLAIN | special)" if "special:" in free else "PLAIN"
+            return f"start: calls | plain?\nplain: {opening} piece*\nPLAIN: /[^{{](.|\\n)*/\n" + free + rules
+        if _opens_with_token(self.fmt, added_tokens):
+            return "start: piece* calls?\n" + free + rules
+        return "start: piece* (TEXT | opening calls_tail)?\n" + free + _lazy_opening(self.fmt, functions, most, added_tokens)
+
+
+def _free_rules(fmt: ToolFormat, added_tokens: dict[str, int]) -> str:
+    """Free text for "auto": any text, and any added token that is not part of a call (a model's
+    <think>, say, must stay possible); the call's own tokens only open or make up a call."""
+    calls = fmt.open + fmt.before_call + fmt.after_call + fmt.close
+    others = sorted(i for t, i in added_tokens.items() if t not in calls and t not in fmt.markers)
+    if not others:
+        return "piece: TEXT\nTEXT: /(.|\\n)+/\n"
+    return f"piece: TEXT | special\nspecial: <[{_id_ranges(others)}]>\nTEXT: /(.|\\n)+/\n"
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """llguidance's token-set syntax: 3-5,9 for 3, 4, 5, 9."""
+    spans: list[list[int]] = []
+    for i in ids:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def _marker(fmt: ToolFormat) -> str:

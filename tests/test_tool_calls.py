@@ -170,6 +170,8 @@ def test_auto_is_free_text_until_the_marker_then_a_valid_call(llg_tokenizer, fmt
     grammar = ToolRequest(FORMATS[fmt], TOOLS, "auto", False).grammar(added)
     free = sample_under(grammar, tok, hf, seed=1, steps=30, complete=False)
     assert parse_tool_calls(FORMATS[fmt], free) == (free, [])
+    other = sample_under(grammar, tok, hf, seed=1, first=added["<|user|>"], steps=30, complete=False)
+    assert other.startswith("<|user|>")  # added tokens that are not the format's stay possible (a <think>, say)
     marker = added[FORMATS[fmt].markers[0]]
     content, calls = parse_tool_calls(FORMATS[fmt], sample_under(grammar, tok, hf, seed=2, first=marker))
     assert len(calls) == 1 and valid_call(calls[0])
@@ -192,6 +194,9 @@ def test_llama3_auto_reply_opening_with_a_brace_is_a_valid_call(llg_tokenizer):
     grammar = ToolRequest(FORMATS["llama3_json"], TOOLS, "auto", True).grammar(added)
     content, calls = parse_tool_calls(FORMATS["llama3_json"], sample_under(grammar, tok, hf, 3, first=hf.token_to_id("{")))
     assert content is None and len(calls) == 1 and valid_call(calls[0])
+    for seed in range(3):  # anything else is text, never a call
+        text = sample_under(grammar, tok, hf, seed, steps=40, complete=False)
+        assert parse_tool_calls(FORMATS["llama3_json"], text)[1] == []
 
 
 # -- messages with calls and results render as transformers renders them -----------------------
