@@ -222,3 +222,29 @@ def test_control_tokens_are_shown_when_a_marker_is_one(llama_engine):
     for skip, shown in ((True, "[1]"), (False, marker + "[1]")):
         detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
         assert "".join(detok.push(i) for i in ids) + detok.flush() == shown
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_pydantic_tools_come_back_parsed_by_the_client(servers, stream):
+    """Strict tools from the client's pydantic_function_tool: its parse helpers validate the
+    arguments into the model, whole and from the stream's assembled deltas."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: Literal["Paris", "Oslo"]
+        days: int = Field(ge=1, le=7)
+
+    client = servers["hermes"].client(max_retries=0, timeout=60)
+    args = dict(model="m", messages=QUESTION, tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required",
+                parallel_tool_calls=False, max_tokens=200, temperature=0)
+    if stream:
+        with client.chat.completions.stream(**args) as events:
+            kinds = {e.type for e in events}
+            out = events.get_final_completion()
+        assert {"tool_calls.function.arguments.delta", "tool_calls.function.arguments.done"} <= kinds
+    else:
+        out = client.chat.completions.parse(**args)
+    call = out.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, GetWeather) and call.function.name == "GetWeather"
