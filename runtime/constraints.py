@@ -58,6 +58,10 @@ class ConstraintSpec:
             raise ConstraintError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if not isinstance(self.text, str):
             raise ConstraintError(f"a {self.kind} constraint needs text, got {type(self.text).__name__}")
+        try:
+            self.text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConstraintError(f"the {self.kind} is not valid Unicode text (a lone surrogate at character {exc.start})") from None
         if len(self.text) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(f"the {self.kind} is {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS} are accepted")
 

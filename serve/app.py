@@ -4,7 +4,8 @@
     create_app(engine=Engine.load("./art")) # with an engine loaded already (llmx serve, tests)
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/embeddings (encoder
-artifacts; the others answer it with a 400, and vice versa), GET /v1/models, GET /health (the
+artifacts; the others answer it with a 400, and vice versa), POST /tokenize and /detokenize
+(vLLM's shapes, serve/tokenize.py), GET /v1/models, GET /health (the
 process answers), GET /ready (model loaded), GET /metrics (Prometheus). Every error, including
 the ones Flask raises itself (404, 405, 413 body too large), is OpenAI-shaped JSON.
 """
@@ -53,7 +54,7 @@ def _routes(app, flask, service: Service) -> None:
 
     @app.before_request
     def authorize():
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in ("/tokenize", "/detokenize"):
             service.authorize(request.headers.get("Authorization"))
         if request.method == "POST" and request.url_rule is not None and request.mimetype != "application/json":
             # Also what stops a web page from making its visitors' browsers spend this server's
@@ -88,6 +89,14 @@ def _routes(app, flask, service: Service) -> None:
     @app.post("/v1/embeddings")
     def embeddings():
         return flask.jsonify(service.embed(body()))
+
+    @app.post("/tokenize")
+    def tokenize():
+        return flask.jsonify(service.tokenize(body()))
+
+    @app.post("/detokenize")
+    def detokenize():
+        return flask.jsonify(service.detokenize(body()))
 
     @app.get("/v1/models")
     def models():

@@ -13,10 +13,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from llmx.errors import InputError
+from llmx.errors import InputError, LlmxError
 from llmx.runtime.beam import BeamParams
 from llmx.runtime.chat import render_chat
-from llmx.runtime.params import MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Checker, ParamError, check_beam_compatible, integer, invalid, prompt_room, text
+from llmx.runtime.constraints import ConstraintSpec, compile_constraint
+from llmx.runtime.params import (MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Checker, ParamError, check_beam_compatible,
+                                 integer, invalid, logit_bias, prompt_room, text)
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
 from llmx.serve.tool_calls import ToolFormat, detect_format
@@ -49,6 +51,70 @@ def stream_options(value, name):
     if not isinstance(value, dict) or set(value) - {"include_usage"}:
         raise invalid_field(name, 'an object {"include_usage": bool}', value)
     return {"include_usage": boolean(value.get("include_usage", False), f"{name}.include_usage")}
+
+
+def spec_checker(check: Callable[[Any, str], ConstraintSpec | None]) -> Checker:
+    """A checker that builds a ConstraintSpec: its ConstraintError (a schema that is not JSON,
+    one too long) is a 400 naming the field."""
+
+    def wrapped(value, name):
+        try:
+            return check(value, name)
+        except ParamError:
+            raise
+        except InputError as exc:
+            raise bad_request(str(exc), param=name, code="invalid_schema") from None
+
+    return wrapped
+
+
+@spec_checker
+def response_format(value, name) -> ConstraintSpec | None:
+    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {name, schema, strict}}``."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object" and set(value) == {"type"}:
+        return ConstraintSpec.json_object()
+    if kind == "json_schema" and set(value) == {"type", "json_schema"}:
+        spec = value["json_schema"]
+        if not isinstance(spec, dict) or set(spec) - {"name", "schema", "strict", "description"}:
+            raise invalid_field(f"{name}.json_schema", 'an object {"name", "schema", "strict", "description"}', spec)
+        string(spec.get("name", ""), f"{name}.json_schema.name")
+        if spec.get("strict") is not None:
+            boolean(spec["strict"], f"{name}.json_schema.strict")
+        schema = spec.get("schema", {})  # OpenAI: no schema means any JSON value
+        if not isinstance(schema, dict):
+            raise invalid_field(f"{name}.json_schema.schema", "a JSON schema object", schema)
+        return ConstraintSpec.json_schema(schema)
+    raise invalid_field(name, 'one of {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", '
+                              '"json_schema": {"name": ..., "schema": {...}}}', value)
+
+
+# vLLM's extension field (extra_body={"structured_outputs": {...}}): exactly one of these keys.
+STRUCTURED = {"json": "a JSON schema object", "regex": "a regular expression (Rust regex syntax)",
+              "grammar": "a Lark grammar (llguidance's dialect)", "choice": "a non-empty list of strings"}
+
+
+@spec_checker
+def structured_outputs(value, name) -> ConstraintSpec:
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in STRUCTURED:
+        raise invalid_field(name, f"an object with exactly one of {', '.join(STRUCTURED)}", value)
+    (key, arg), = value.items()
+    field = f"{name}.{key}"
+    if key == "json":
+        if isinstance(arg, str):
+            return ConstraintSpec.json_schema(arg)
+        if not isinstance(arg, dict):
+            raise invalid_field(field, STRUCTURED[key], arg)
+        return ConstraintSpec.json_schema(arg)
+    if key == "choice":
+        if not isinstance(arg, list) or not arg or not all(isinstance(c, str) and c for c in arg):
+            raise invalid_field(field, "a non-empty list of non-empty strings", arg)
+        return ConstraintSpec.lark("start: " + " | ".join(json.dumps(text(c, field)) for c in arg))
+    if not isinstance(arg, str) or not arg:
+        raise invalid_field(field, STRUCTURED[key], arg)
+    return ConstraintSpec.regex(text(arg, field)) if key == "regex" else ConstraintSpec.lark(text(arg, field))
 
 
 def early_stopping(value, name):
@@ -92,7 +158,9 @@ COMMON: dict[str, tuple[Checker, Any]] = {
     "length_penalty": (BEAM["length_penalty"], None),
     "early_stopping": (early_stopping, None),
     "user": (string, None),
-    "logit_bias": (unsupported(lambda v: v == {}, "is not supported"), None),
+    "logit_bias": (lambda v, n: v, None),  # checked by _parse_job against the model's vocabulary
+    "response_format": (response_format, None),
+    "structured_outputs": (structured_outputs, None),
 }
 COMPLETION = {
     **COMMON,
@@ -108,7 +176,6 @@ CHAT = {
     "logprobs": (boolean, False),
     "top_logprobs": (integer(0, MAX_LOGPROBS), None),
     "max_completion_tokens": (SAMPLING["max_new_tokens"], None),
-    "response_format": (unsupported(lambda v: v == {"type": "text"}, 'supports only {"type": "text"}'), None),
     "tools": (lambda v, n: v, None),  # checked by tool_request
     "tool_choice": (lambda v, n: v, None),
     "parallel_tool_calls": (boolean, None),
@@ -258,14 +325,36 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
     if len(prompts) * f["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n may be at most {MAX_CHOICES}", param="n")
     budgets = [fit_context(p, max_tokens, engine.max_seq_len, "messages" if chat else "prompt") for p in prompts]
+    f["logit_bias"] = f["logit_bias"] and logit_bias(engine.manifest.model.vocab_size)(f["logit_bias"], "logit_bias")
+    f["constraint"] = constraint(f, engine)
     params = [sampling_params(f, budget, logprobs, j) for budget in budgets for j in range(f["n"])]
     include_usage = bool(f["stream_options"] and f["stream_options"]["include_usage"])
     beam = beam_params(f, budgets, logprobs, chat)
     if tools:
         if beam:
             raise bad_request("tools cannot be combined with use_beam_search", param="tools", code="unsupported_parameter")
+        if f["constraint"] is not None:
+            raise bad_request("'tools' and a response format do not combine: tool calls have their own grammar",
+                              param="tools", code="unsupported_parameter")
         params = with_tools(params, tools, engine)
     return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam, tools)
+
+
+def constraint(f: dict, engine):
+    """The request's grammar, compiled and tried now: a 400 before any work is queued."""
+    given = [name for name in ("response_format", "structured_outputs") if f[name] is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad_request("'response_format' and 'structured_outputs' do not combine: send one", param=given[1])
+    if f["use_beam_search"]:
+        raise bad_request(f"'{given[0]}' is not supported with beam search", param=given[0], code="unsupported_parameter")
+    try:
+        return compile_constraint(f[given[0]], engine.tokenizer, engine.manifest.model.vocab_size)
+    except InputError as exc:
+        raise bad_request(str(exc), param=given[0], code="invalid_schema") from None
+    except LlmxError as exc:  # llguidance not installed on this server
+        raise bad_request(str(exc), param=given[0], code="unsupported_parameter") from None
 
 
 def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -> list[BeamParams] | None:
@@ -301,12 +390,10 @@ def with_tools(params: list[SamplingParams], tools: ToolRequest, engine) -> list
 
 
 def tool_constraint(tools: ToolRequest, engine):
-    from llmx.runtime.constraints import ConstraintError, ConstraintSpec, compile_constraint
-
     grammar = tools.grammar(engine.tokenizer.added_tokens())
     try:
         return compile_constraint(ConstraintSpec.lark(grammar), engine.tokenizer, engine.manifest.model.vocab_size)
-    except ConstraintError as exc:
+    except InputError as exc:  # a ConstraintError
         raise bad_request(f"the tools cannot be enforced: {exc}", param="tools", code="invalid_tool_schema") from None
 
 
@@ -332,7 +419,7 @@ def sampling_params(f: dict, max_tokens: int, logprobs: int | None, choice: int)
         min_p=f["min_p"], typical_p=f["typical_p"], repetition_penalty=f["repetition_penalty"],
         presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
         seed=None if f["seed"] is None else f["seed"] + choice, stop=list(f["stop"]), ignore_eos=f["ignore_eos"],
-        logprobs=logprobs)
+        logprobs=logprobs, logit_bias=f["logit_bias"] or None, constraint=f["constraint"])
     try:
         return params.validate()
     except InputError as exc:

@@ -26,6 +26,7 @@ from llmx.serve.protocol import Job, parse_job
 from llmx.serve.tool_calls import FORMATS, ToolFormat
 from llmx.serve.responses import ChoiceResult, Responder, sse
 from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
+from llmx.serve.tokenize import detokenize, tokenize
 
 RETRY_AFTER_S = 1
 API_KEY_ENV = "LLMX_API_KEY"
@@ -173,6 +174,12 @@ class BaseService:
     def embed(self, raw: bytes):
         raise self.wrong_kind("/v1/embeddings")
 
+    def tokenize(self, raw: bytes):
+        raise self.wrong_kind("/tokenize")
+
+    def detokenize(self, raw: bytes):
+        raise self.wrong_kind("/detokenize")
+
 
 class Service(BaseService):
     def __init__(self, scheduler: Scheduler, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
@@ -242,6 +249,10 @@ class Service(BaseService):
         self.check_admitting()
         engine = self.engine()
         job = parse_job(raw, chat, engine, self.model_name, self.tool_format)
+        if self.scheduler.drafter is not None and job.params[0].constraint is not None:
+            raise ApiError(400, "constrained decoding (response_format, structured_outputs, tools) and this server's "
+                                "speculative decoding do not combine yet", param="tools" if job.tools else "response_format",
+                           code="unsupported_parameter")
         seqs = [Sequence(job.prompts[i // job.n], p, engine.tokenizer, engine.max_seq_len) for i, p in enumerate(job.params)]
         if len(seqs) > self.scheduler.capacity:
             raise ApiError(400, f"request asks for {len(seqs)} sequences; this server holds at most "
@@ -262,6 +273,14 @@ class Service(BaseService):
             return responder.response(self._collect(ticket, len(seqs), client_gone))
         finally:
             self._opened(-1)
+
+    def tokenize(self, raw: bytes) -> dict:
+        self.check_size(raw)
+        return tokenize(raw, self.engine())
+
+    def detokenize(self, raw: bytes) -> dict:
+        self.check_size(raw)
+        return detokenize(raw, self.engine())
 
     def _collect(self, ticket: Ticket, k: int, client_gone: Callable[[], bool] | None) -> list[ChoiceResult]:
         results = [ChoiceResult() for _ in range(k)]

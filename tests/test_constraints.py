@@ -153,3 +153,57 @@ def test_masks_prefetched_during_the_model_step_equal_computed_ones(engine):
         assert a.advance(token) and b.advance(token)
     prefetch_masks([a]).result()
     assert np.array_equal(a.mask(), b.mask()) and a.mask().sum() > 1
+
+
+# -- llmx generate --json-schema / --regex / --grammar / --logit-bias ---------------------------
+
+def cli(args, capsys):
+    from test_cli import error_line, run
+
+    code, out, err = run(["generate", *map(str, args), "--threads", "1"], capsys)
+    return code, out, (error_line(err) if code else err)
+
+
+def test_generate_cli_constraints(demo_artifact, tmp_path, capsys):
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    code, out, _ = cli([demo_artifact, "user = ", "--json-schema", schema, "--temperature", "0", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0 and set(json.loads(result["text"])) == {"name", "age", "role"} and result["finish_reason"] == "stop"
+    code, out, _ = cli([demo_artifact, "x = ", "--regex", "[0-9]{3}", "--temperature", "1", "--seed", "4"], capsys)
+    assert code == 0 and re.fullmatch(r"[0-9]{3}\n", out)
+    grammar = tmp_path / "yesno.lark"
+    grammar.write_text('start: "yes" | "no"\n')
+    code, out, _ = cli([demo_artifact, "x = ", "--grammar", grammar], capsys)
+    assert code == 0 and out in ("yes\n", "no\n")
+
+
+def test_generate_cli_logit_bias(demo_artifact, capsys):
+    _, plain, _ = cli([demo_artifact, "def main():", "--temperature", "0", "--max-new-tokens", "3", "--json"], capsys)
+    first = json.loads(plain)["token_ids"][0]
+    _, banned, _ = cli([demo_artifact, "def main():", "--temperature", "0", "--max-new-tokens", "3", "--json",
+                        "--logit-bias", f"{first}=-100"], capsys)
+    assert json.loads(banned)["token_ids"][0] != first
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--regex", "a(b"], "error: invalid regex"),
+    (["--regex", "a", "--regex", "b"], None),  # the last one wins, as click does
+    (["--regex", "a", "--num-beams", "2"], "does not combine with --num-beams"),
+    (["--regex", "a", "--speculative", "ngram"], "does not combine with --speculative"),
+    (["--logit-bias", "4096=1"], "token id in [0, 4096)"),
+    (["--logit-bias", "7"], "--logit-bias must be ID=BIAS"),
+])
+def test_generate_cli_refuses_bad_constraints_in_one_line(demo_artifact, capsys, args, words):
+    code, _, err = cli([demo_artifact, "x", "--max-new-tokens", "2", *args], capsys)
+    if words is None:
+        assert code == 0
+    else:
+        assert code == 2 and words in err, err
+
+
+def test_generate_cli_refuses_two_constraints(demo_artifact, tmp_path, capsys):
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "a"')
+    code, _, err = cli([demo_artifact, "x", "--regex", "a", "--grammar", grammar], capsys)
+    assert code == 2 and "--regex and --grammar do not combine" in err

@@ -57,7 +57,12 @@ COMMON = {
     "n": int_outside(1, 64),
     "stream": not_bool,
     "ignore_eos": not_bool,
-    "logit_bias": st.one_of(junk.filter(lambda v: v != {}), st.dictionaries(st.text(max_size=3), st.integers(), min_size=1)),
+    "logit_bias": st.one_of(st.text(max_size=8), st.lists(st.integers(), max_size=3),
+                            st.dictionaries(st.text(max_size=3).filter(lambda k: not (k.isascii() and k.isdigit())), st.integers(), min_size=1),
+                            st.dictionaries(st.sampled_from(["1", "2", "99999"]), st.integers().filter(lambda v: abs(v) > 100), min_size=1)),
+    "response_format": st.one_of(junk, st.just({"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}})),
+    "structured_outputs": st.one_of(junk, st.just({"regex": "("}), st.just({"grammar": 'start: x\nx: x "a"'}),
+                                    st.just({"regex": "a", "choice": ["a"]})),
     "stream_options": st.one_of(junk, st.just({"include_usage": True})),  # the latter without stream: true
 }
 FIELDS = {
@@ -82,7 +87,6 @@ FIELDS = {
         "top_logprobs": st.integers(min_value=0, max_value=20),  # without logprobs: true
         "max_completion_tokens": int_outside(1),
         "tools": st.lists(st.dictionaries(st.text(max_size=3), st.text(max_size=3)), min_size=1, max_size=2),
-        "response_format": st.one_of(junk, st.just({"type": "json_object"})),
     },
 }
 

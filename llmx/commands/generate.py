@@ -34,13 +34,20 @@ def register(cli: click.Group) -> None:
                   help="Beam score = logprob / length**PENALTY (> 0 favours longer hypotheses).")
     @click.option("--early-stopping", type=click.Choice(["true", "false", "never"]), default="false", show_default=True,
                   is_flag=False, flag_value="true", help="Beam search stopping rule, as transformers' (flag alone: true).")
+    @click.option("--logit-bias", "logit_bias", multiple=True, metavar="ID=BIAS",
+                  help="Add BIAS (-100 to 100; -100 bans) to token ID's logit (repeatable).")
+    @click.option("--json-schema", "json_schema", type=click.Path(exists=True, dir_okay=False), default=None,
+                  help="Constrain the output to JSON matching the schema in this file.")
+    @click.option("--regex", default=None, help="Constrain the output to match this regular expression.")
+    @click.option("--grammar", type=click.Path(exists=True, dir_okay=False), default=None,
+                  help="Constrain the output to this Lark grammar file (llguidance's dialect).")
     @speculative_options
     @click.option("--chat", is_flag=True, help="Wrap PROMPT as a user message with the model's chat template.")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object at the end instead of streaming text.")
     @backend_options
     @click.pass_context
     def generate(ctx, artifact, prompt, as_json, chat, backend, threads, low_memory, num_beams, length_penalty,
-                 early_stopping, speculative, draft, num_draft_tokens, **sampling):
+                 early_stopping, speculative, draft, num_draft_tokens, logit_bias, json_schema, regex, grammar, **sampling):
         """Generate a continuation of PROMPT, streaming text to stdout as it is produced.
 
         \b
@@ -48,6 +55,7 @@ def register(cli: click.Group) -> None:
         llmx generate ./art "$(cat code.py)" --temperature 0 --speculative ngram
         llmx generate ./art "def fibonacci(n):" --speculative draft --draft ./small-art
         llmx generate ./art "The capital of France" --num-beams 4 --length-penalty 0.8 --json
+        llmx generate ./art "user = " --json-schema person.schema.json --temperature 0
         """
         from llmx.runtime.chat import render_chat
         from llmx.runtime.engine import Engine, engine_options
@@ -55,8 +63,14 @@ def register(cli: click.Group) -> None:
 
         check_speculative_options(ctx, speculative)
         params = SamplingParams(**{**sampling, "stop": list(sampling["stop"])}).validate()  # the server's ranges
+        spec = _constraint_spec(json_schema, regex, grammar)
+        bias = _logit_bias(logit_bias)
+        if (spec or bias) and (num_beams > 1 or speculative):
+            raise InputError(f"{'--logit-bias' if bias and not spec else 'a constraint (--json-schema/--regex/--grammar)'} "
+                             f"does not combine with {'--num-beams' if num_beams > 1 else '--speculative'}")
         beams = _beam_params(ctx, num_beams, length_penalty, early_stopping, speculative, sampling)
         engine = Engine.load(artifact, backend=backend, **engine_options(backend, threads, low_memory))
+        _constrain(params, engine, spec, bias)
         text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
         ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
         if beams is not None:
@@ -67,6 +81,51 @@ def register(cli: click.Group) -> None:
 
             drafter = make_drafter(speculative, engine, num_draft_tokens, draft, backend=backend, threads=threads)
         _run(engine, ids, params, as_json, drafter)
+
+
+def _constraint_spec(json_schema: str | None, regex: str | None, grammar: str | None):
+    """The one constraint asked for (runtime/constraints.py), or None."""
+    from llmx.runtime.constraints import ConstraintSpec
+
+    given = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if value]
+    if len(given) > 1:
+        raise InputError(f"{' and '.join(given)} do not combine: give one constraint")
+    if json_schema:
+        return ConstraintSpec.json_schema(_read_text(json_schema, "--json-schema"))
+    if grammar:
+        return ConstraintSpec.lark(_read_text(grammar, "--grammar"))
+    return ConstraintSpec.regex(regex) if regex else None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{flag}: cannot read {path}: {exc}") from None
+
+
+def _logit_bias(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        tid, sep, bias = pair.partition("=")
+        try:
+            out[tid.strip()] = float(bias)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise InputError(f"--logit-bias must be ID=BIAS (a token id and a number), got {pair!r}")
+    return out
+
+
+def _constrain(params, engine, spec, bias: dict) -> None:
+    """Check the constraint and logit_bias against the loaded model (the server's rules) and set them."""
+    from llmx.runtime.constraints import compile_constraint
+    from llmx.runtime.params import logit_bias
+
+    vocab = engine.manifest.model.vocab_size
+    params.logit_bias = logit_bias(vocab)(bias, "logit_bias") if bias else None
+    params.constraint = compile_constraint(spec, engine.tokenizer, vocab) if spec else None
 
 
 def _beam_params(ctx, num_beams: int, length_penalty: float, early_stopping: str, speculative, sampling: dict):
