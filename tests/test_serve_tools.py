@@ -99,7 +99,7 @@ def prompt_tokens(tok, template: str, messages: list[dict], tools: list[dict] | 
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("mode", ["required", "named"])
+@pytest.mark.parametrize("mode", ["required", "named", "auto"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_tools_call_result_answer(servers, hf_tokenizer, fmt, mode, stream):
     client = servers[fmt].client(max_retries=0, timeout=60)
@@ -185,6 +185,7 @@ BAD = {
     "call arguments not JSON": ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{oops"}}]}]}, "not valid JSON"),
     "beam search": ({"tools": TOOLS, "use_beam_search": True, "n": 2}, "beam"),
+    "with a response format": ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "do not combine"),
 }
 
 
