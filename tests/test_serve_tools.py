@@ -249,3 +249,19 @@ def test_pydantic_tools_come_back_parsed_by_the_client(servers, stream):
         out = client.chat.completions.parse(**args)
     call = out.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, GetWeather) and call.function.name == "GetWeather"
+
+
+def test_demo_model_calls_tools_through_its_own_template(demo_artifact):
+    """The quickstart's model: its ChatML-like template renders tools and <tool_call> calls."""
+    with LiveServer(artifact=demo_artifact, model_name="m", threads=1, max_batch=2) as server:
+        client = server.client(max_retries=0, timeout=60)
+        first = client.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=80, temperature=0)
+        assert first.choices[0].finish_reason == "tool_calls"
+        call = first.choices[0].message.tool_calls[0]
+        check_call(call)
+        history = QUESTION + [first.choices[0].message.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        final = client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+        assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
