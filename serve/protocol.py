@@ -8,7 +8,6 @@ Every field has a checker (type and range, with OpenAI's names and limits) and a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,7 +21,7 @@ from llmx.runtime.params import (MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Chec
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
 from llmx.serve.tool_calls import ToolFormat, detect_format
-from llmx.serve.tool_request import ToolRequest, assistant_calls, tool_request, tool_result
+from llmx.serve.tool_request import ToolRequest, assistant_calls, tool_request, tool_result, with_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -378,23 +377,6 @@ def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -
                            ignore_eos=f["ignore_eos"]).validate() for budget in budgets]
     except InputError as exc:
         raise bad_request(str(exc), param="best_of" if not chat else "n") from None
-
-
-def with_tools(params: list[SamplingParams], tools: ToolRequest, engine) -> list[SamplingParams]:
-    """Each choice's params for a request with tools: held to the tool-call grammar, and shown
-    the calls' marker even where it is a control token (Mistral's [TOOL_CALLS])."""
-    changes = {"constraint": tool_constraint(tools, engine)}
-    if any(m in engine.tokenizer.added_tokens(special_only=True) for m in tools.fmt.markers):
-        changes["skip_special_tokens"] = False
-    return [dataclasses.replace(p, **changes) for p in params]
-
-
-def tool_constraint(tools: ToolRequest, engine):
-    grammar = tools.grammar(engine.tokenizer.added_tokens())
-    try:
-        return compile_constraint(ConstraintSpec.lark(grammar), engine.tokenizer, engine.manifest.model.vocab_size)
-    except InputError as exc:  # a ConstraintError
-        raise bad_request(f"the tools cannot be enforced: {exc}", param="tools", code="invalid_tool_schema") from None
 
 
 def fit_context(prompt: list[int], max_tokens: int | None, limit: int, param: str) -> int:

@@ -18,7 +18,6 @@ always agree.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import string
 from dataclasses import dataclass
@@ -160,12 +159,6 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     if not chat_template:
         return None
     return next((f for f in FORMATS.values() if any(s in chat_template for s in f.signatures)), None)
-
-
-def format_named(name: str) -> ToolFormat:
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}: one of {', '.join(FORMATS)}")
-    return FORMATS[name]
 
 
 # -- the parser ------------------------------------------------------------------------------

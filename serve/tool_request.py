@@ -11,11 +11,15 @@ is free until it opens a call (the format's marker), and the call itself is then
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from llmx.errors import InputError, LlmxError, require
+from llmx.runtime.constraints import CompiledConstraint, ConstraintSpec, compile_constraint
+from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import bad_request
 from llmx.serve.tool_calls import ToolFormat
 
@@ -121,6 +125,23 @@ def call_rules(fmt: ToolFormat, functions: list[dict], most: int | None, added_t
     return "\n".join(lines) + "\n"
 
 
+def with_tools(params: list[SamplingParams], tools: ToolRequest, engine) -> list[SamplingParams]:
+    """Each choice's params for a request with tools: held to the tool-call grammar, and shown
+    the calls' marker even where it is a control token (Mistral's [TOOL_CALLS])."""
+    changes = {"constraint": tool_constraint(tools, engine)}
+    if any(m in engine.tokenizer.added_tokens(special_only=True) for m in tools.fmt.markers):
+        changes["skip_special_tokens"] = False
+    return [dataclasses.replace(p, **changes) for p in params]
+
+
+def tool_constraint(tools: ToolRequest, engine) -> CompiledConstraint:
+    grammar = tools.grammar(engine.tokenizer.added_tokens())
+    try:
+        return compile_constraint(ConstraintSpec.lark(grammar), engine.tokenizer, engine.manifest.model.vocab_size)
+    except InputError as exc:  # a ConstraintError
+        raise bad_request(f"the tools cannot be enforced: {exc}", param="tools", code="invalid_tool_schema") from None
+
+
 # -- checks ------------------------------------------------------------------------------------
 
 def check_tools(value: Any) -> list[dict]:
@@ -153,10 +174,12 @@ def check_parameters(schema: Any, where: str) -> None:
         return
     if not isinstance(schema, dict):
         raise bad_request(f"'{where}' must be a JSON schema object", param=where)
-    from llguidance import LLMatcher
-
     try:
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema({**schema, "x-guidance": JSON_STYLE}))
+        matcher = require("llguidance", "tool calling", "serve").LLMatcher
+    except LlmxError as exc:
+        raise bad_request(str(exc), param="tools", code="unsupported_parameter") from None
+    try:
+        error = matcher.validate_grammar(matcher.grammar_from_json_schema({**schema, "x-guidance": JSON_STYLE}))
     except (ValueError, TypeError) as exc:
         error = str(exc)
     if error:
