@@ -2,11 +2,12 @@
 
 Each ``ToolFormat`` row names how its chat template is recognised, the marker that opens the
 call region of a reply, how one call (or one batch of calls) is read from the front of that
-region (``take``) and how a call is written (``render``, for the constraint grammar):
+region (``take``), and the literals calls are written with (``open``, ``before_call``,
+``after_call``, ``separator``, ``close``: serve/tool_request.py builds the constraint from them):
 
     hermes       Hermes / Qwen 2.5+ / Qwen 3    <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
     llama3_json  Llama 3.1 / 3.2 / 3.3         {"name": ..., "parameters": {...}}  (optionally after <|python_tag|>)
-    mistral      Mistral v3 (7B v0.3, Nemo)   [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+    mistral      Mistral v3 (7B v0.3, Nemo)   [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
 
 One parser serves whole answers and streams (``ToolCallParser``): text before the marker is
 content; from the marker on, calls are read in order; the first block that does not read as a
@@ -149,7 +150,7 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
                False, _take_llama3, "parameters", open="", before_call="", after_call="", separator="; ", close="",
                max_calls=1),
     ToolFormat("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), True, _take_mistral, "arguments",
-               open="[TOOL_CALLS][", before_call="", after_call="", separator=", ", close="]", max_calls=None,
+               open="[TOOL_CALLS] [", before_call="", after_call="", separator=", ", close="]", max_calls=None,
                new_id=_mistral_ids),
 )}
 

@@ -156,7 +156,7 @@ def test_constrained_replies_are_valid_calls_the_parser_reads(llg_tokenizer, fmt
     tok, hf, added = llg_tokenizer
     grammar = ToolRequest(FORMATS[fmt], TOOLS, choice, parallel).grammar(added)
     for seed in range(4):
-        content, calls = parse_tool_calls(FORMATS[fmt], sample_under(grammar, tok, hf, seed))
+        content, calls = parse_tool_calls(FORMATS[fmt], sample_under(grammar, tok, hf, seed, steps=800))
         assert content is None and calls and all(map(valid_call, calls))
         if not parallel or FORMATS[fmt].max_calls == 1:
             assert len(calls) == 1
