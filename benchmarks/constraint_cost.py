@@ -9,7 +9,7 @@ through ``runtime.generate`` (the loop ``llmx generate`` and the server share), 
 objects), so both arms decode the same number of tokens. Arms alternate round by round; the
 table reports medians. Constrained decoding runs twice: masks computed as each row samples
 (inline) and beside the model step (overlap; runtime/batch.py picks by the step's time). "mask"
-is the inline arm's time inside ``Matcher.mask`` per constrained token.
+is the inline arm's time inside ``Matcher.mask_logits`` (compute the mask, apply it) per token.
 
 Engines: per-token mask time of llguidance vs xgrammar for the same schemas, over the token
 sequence of a valid document (teacher-forced), on the demo tokenizer (4096) and on a
@@ -59,19 +59,20 @@ def demo_artifact(work: Path) -> Path:
 
 
 class MaskTimer:
-    """Wraps Matcher.mask and prefetch waits to count the time spent on masks in the loop."""
+    """Wraps Matcher.mask_logits (compute the mask, apply it to a row) and prefetch waits to count
+    the time spent on masks in the loop."""
 
     def __init__(self):
         from llmx.runtime import batch, constraints
 
         self.seconds, self.calls = 0.0, 0
-        self._mask, self._prefetch = constraints.Matcher.mask, batch.prefetch_masks
+        self._mask, self._prefetch = constraints.Matcher.mask_logits, batch.prefetch_masks
         timer = self
 
-        def mask(matcher):
+        def mask(matcher, logits):
             t = time.perf_counter()
             try:
-                return timer._mask(matcher)
+                return timer._mask(matcher, logits)
             finally:
                 timer.seconds += time.perf_counter() - t
                 timer.calls += 1
@@ -89,12 +90,12 @@ class MaskTimer:
             future = timer._prefetch(matchers)
             return None if future is None else Timed(future)
 
-        constraints.Matcher.mask, batch.prefetch_masks = mask, prefetch
+        constraints.Matcher.mask_logits, batch.prefetch_masks = mask, prefetch
 
     def close(self) -> None:
         from llmx.runtime import batch, constraints
 
-        constraints.Matcher.mask, batch.prefetch_masks = self._mask, self._prefetch
+        constraints.Matcher.mask_logits, batch.prefetch_masks = self._mask, self._prefetch
 
 
 def decode_run(engine, batch: int, tokens: int, constrained: bool) -> tuple[float, float]:
