@@ -9,6 +9,7 @@ Both ``generate`` and the server's continuous-batching scheduler drive this one 
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -19,6 +20,10 @@ from llmx.rope import long_context_threshold
 from llmx.runtime.sequence import Sequence
 
 Event = tuple[Sequence, str]  # a sequence and the text it made visible this step
+# Grammar masks are computed beside the model step only when a step takes at least this long:
+# on the 4.9M demo model (2-5 ms steps) the thread hand-off cost more than the masks it hid
+# (benchmarks/constraint_cost.py), while a 135M model's 10-30 ms steps hide them whole.
+OVERLAP_MIN_STEP_S = 0.008
 
 
 def long_rope_threshold(backend) -> int | None:
@@ -47,6 +52,7 @@ class Batch:
         self.on_leave: Callable[[Sequence, object, int], None] | None = None
         self.long_rope_at = long_rope_threshold(backend)
         self.constrained = 0  # active sequences with a grammar: the only ones that pay for masks
+        self.step_s = 0.0  # the last decode step's time, measured only while a row is constrained
 
     @property
     def free_rows(self) -> int:
@@ -87,9 +93,15 @@ class Batch:
         if self._long_rope_starts():
             return self._recompute()
         ids = np.asarray(self.next_ids, dtype=np.int64)[:, None]
-        # Grammar masks for this step's tokens are computed in llguidance's threads meanwhile.
-        masks = prefetch_masks(s.constraint for s in self.active if s.constraint is not None) if self.constrained else None
+        if not self.constrained:
+            return self._sample(self.backend.decode(self.cache, ids)[:, 0], 0)
+        # Grammar masks for this step's tokens are computed in llguidance's threads meanwhile
+        # (or, for fast steps, on demand as each row samples).
+        start = time.perf_counter()
+        masks = (prefetch_masks(s.constraint for s in self.active if s.constraint is not None)
+                 if self.step_s >= OVERLAP_MIN_STEP_S else None)
         logits = self.backend.decode(self.cache, ids)[:, 0]
+        self.step_s = time.perf_counter() - start
         if masks is not None:
             masks.result()
         return self._sample(logits, 0)

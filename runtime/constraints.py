@@ -203,17 +203,22 @@ class Matcher:
 
     def mask(self) -> np.ndarray:
         """Allowed next tokens, a bool array [vocab_size]."""
-        if not self._fresh:
-            self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-            self._fresh = True
+        self._compute()
         return np.unpackbits(self._words.view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
 
     def mask_logits(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` [V] with every disallowed token at -inf (in place; V may exceed vocab_size)."""
-        allowed = self.mask()
-        logits[: self.vocab_size][~allowed] = -np.inf
-        logits[self.vocab_size:] = -np.inf
+        self._compute()
+        banned = np.unpackbits((~self._words).view(np.uint8), bitorder="little")[: self.vocab_size].view(bool)
+        np.putmask(logits[: self.vocab_size], banned, -np.inf)
+        if logits.shape[0] > self.vocab_size:
+            logits[self.vocab_size:] = -np.inf
         return logits
+
+    def _compute(self) -> None:
+        if not self._fresh:
+            self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+            self._fresh = True
 
     def advance(self, token: int) -> bool:
         """Consume the chosen token; False when the grammar refused it (the matcher is then finished)."""

@@ -207,3 +207,15 @@ def test_generate_cli_refuses_two_constraints(demo_artifact, tmp_path, capsys):
     grammar.write_text('start: "a"')
     code, _, err = cli([demo_artifact, "x", "--regex", "a", "--grammar", grammar], capsys)
     assert code == 2 and "--regex and --grammar do not combine" in err
+
+
+def test_masks_computed_beside_the_model_step_give_the_same_output(engine, monkeypatch):
+    from llmx.runtime import batch
+
+    def schema_run():
+        c = compiled(engine, ConstraintSpec.json_schema(PERSON))
+        return [s.output_ids for s in run(engine, ["a = ", "b = "], [SamplingParams(max_new_tokens=40, temperature=0, constraint=c)] * 2)]
+
+    inline = schema_run()
+    monkeypatch.setattr(batch, "OVERLAP_MIN_STEP_S", 0.0)
+    assert schema_run() == inline
