@@ -49,3 +49,30 @@ def test_demo_model_is_packaged_and_writes_python(demo_artifact, capsys):
         ast.parse(text)
     except SyntaxError as exc:
         assert exc.lineno and exc.lineno > 2, text
+
+
+def test_demo_chat_template_renders_like_transformers_with_tools(demo_artifact):
+    """The shipped ChatML-like template (with the Jinja `tools` variable) is exported with the
+    artifact and renders exactly as transformers' apply_chat_template does."""
+    import transformers
+
+    from llmx.runtime.chat import render_chat
+    from llmx.runtime.engine import Engine
+    from train_demo_model import CHAT_TEMPLATE
+
+    source = Path(llmx.__file__).parent / "demo_model"
+    assert json.loads((source / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+    hf = transformers.AutoTokenizer.from_pretrained(source)
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 3?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    tokenizer = Engine.load(demo_artifact, threads=1).tokenizer
+    for extra in ({}, {"tools": tools}):
+        ours = render_chat(tokenizer, messages, **extra)
+        assert ours == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        assert ours.endswith("<|im_start|>assistant\n")
+    with_tools = render_chat(tokenizer, messages, tools=tools)
+    assert '<tools>\n{"name": "add"' in with_tools and '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>' in with_tools
