@@ -36,6 +36,8 @@ def render(value: Any, limit: int = 40) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
+    # NEL, U+2028 and other non-printables would split or hide the one error line
+    text = "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
