@@ -131,6 +131,27 @@ def test_running_streams_keep_decoding_while_a_long_prompt_is_prefilled(engine):
         assert len(during) >= chunks - 1  # and every one of those turns decoded the running stream
 
 
+def test_an_idle_batch_prefills_a_burst_at_once_a_busy_one_a_chunk_per_turn(engine):
+    texts = ["import os", "x = [1, 2]", "class A:", "def f(a, b):"]
+    chunk = max(len(engine.encode(t)) for t in texts)  # one prompt per chunk, all four in the idle budget
+    assert 2 * min(len(engine.encode(t)) for t in texts) > chunk
+    scheduler = Scheduler(lambda: engine, max_batch=5, prefill_chunk=chunk)
+    burst = [scheduler.submit([sequence(engine, t, max_new_tokens=3, temperature=0)]) for t in texts]
+    calls = engine.backend.prefill_calls
+    with running(scheduler):  # the burst is waiting before the first turn: the batch is idle
+        firsts = [drain(t)[0] for t in burst]
+        assert engine.backend.prefill_calls - calls == 1
+        assert len({u.turn for u in firsts}) == 1
+        decoding = scheduler.submit([sequence(engine, "def", max_new_tokens=60, temperature=0, ignore_eos=True)])
+        decoding.updates.get(timeout=30)
+        busy = [scheduler.submit([sequence(engine, t, max_new_tokens=3, temperature=0)]) for t in texts]
+        turns = [drain(t)[0].turn for t in busy]
+        assert len(set(turns)) == len(texts)  # one chunk per turn while a stream decodes
+        drain(decoding)
+    for t, ticket in zip(texts, burst):
+        assert ticket.seqs[0].output_ids == engine.generate([t], SamplingParams(max_new_tokens=3, temperature=0))[0].output_ids
+
+
 def test_cancel_frees_the_row_at_once(engine):
     with running(Scheduler(lambda: engine, max_batch=1, max_queue=4)) as scheduler:
         long = scheduler.submit([sequence(engine, "def", max_new_tokens=200, temperature=0, ignore_eos=True)])
