@@ -15,8 +15,9 @@ venv). Every engine gets 2 threads and the same token ids.
    EOS ignored) at once; aggregate tok/s = C x tokens / (last stream done - first request sent).
    llmx runs with ``--max-batch C`` and llama-server with ``-np C`` (continuous batching), so both
    have C slots; genai generates one batch of C. Each round uses new prompts (no prefix-cache hits).
-2. Long prompts: time to the first token of a ``--long`` (2k, 8k) token prompt, alone on a
-   one-slot server (llmx ``--max-batch 1``; llama-server ``-np 1``), and genai's append + first token.
+2. Long prompts: time to the first token of a ``--long`` (2k, 8k) token prompt, alone on the
+   one-slot servers (llmx ``--max-batch 1``; llama-server ``-np 1 -c 8704``), and genai's append
+   + first token (a batch of one).
 3. llmx decode step time at 8k context vs 128 (in-process, one row, the served artifact).
 
 Engines take turns within each round (the order rotates), so a shared host's background load falls
@@ -293,16 +294,13 @@ def run(args, paths: dict[str, Path], vocab: int) -> dict:
     servers: dict[tuple[str, int], Server] = {}
     genai = None
     try:
-        for c in levels:
+        # One-slot servers also answer the long prompts (their context holds CONTEXT tokens).
+        for c in sorted(set(levels) | ({1} if args.long else set())):
             if "llmx" in engines:
                 servers["llmx", c] = llmx_server(paths["llmx"], c, args.threads, args.llmx_args)
             if "llama-server" in engines:
-                servers["llama-server", c] = llama_server(paths["gguf"], c, args.threads, c * (args.prompt_len + args.tokens + 64))
-        if args.long:
-            if "llmx" in engines:
-                servers["llmx", "long"] = llmx_server(paths["llmx"], 1, args.threads, args.llmx_args)
-            if "llama-server" in engines:
-                servers["llama-server", "long"] = llama_server(paths["gguf"], 1, args.threads, CONTEXT)
+                context = CONTEXT if c == 1 else c * (args.prompt_len + args.tokens + 64)
+                servers["llama-server", c] = llama_server(paths["gguf"], c, args.threads, context)
         if "genai" in engines:
             genai = GenaiWorker(paths["genai"], args.threads)
 
@@ -314,7 +312,7 @@ def run(args, paths: dict[str, Path], vocab: int) -> dict:
         def ttft(engine: str, ids: list[int]) -> float:
             if engine == "genai":
                 return genai.ask({"cmd": "batch", "prompts": [ids], "tokens": 1})["ttft_s"]
-            return time_to_first_token(servers[engine, "long"].url, ids, NO_CACHE if engine == "llama-server" else {})
+            return time_to_first_token(servers[engine, 1].url, ids, NO_CACHE if engine == "llama-server" else {})
 
         log("warm-up")
         for e in engines:
