@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -41,6 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LLAMA_SERVER = HERE / ".peers-build" / "llama-server"
 CONTEXT = 8704  # positions: an 8k prompt plus room to generate
+WARM_UP_TOKENS = 4
 SHAPES = {
     # benchmarks/smollm_shape.py's SmolLM-135M, and TinyLlama-1.1B's shape (random weights)
     "smollm": {},
@@ -304,20 +306,20 @@ def run(args, paths: dict[str, Path], vocab: int) -> dict:
         if "genai" in engines:
             genai = GenaiWorker(paths["genai"], args.threads)
 
-        def stream(engine: str, c, ids: list[list[int]]) -> dict:
+        def stream(engine: str, c, ids: list[list[int]], tokens: int = args.tokens) -> dict:
             if engine == "genai":
-                return genai.ask({"cmd": "batch", "prompts": ids, "tokens": args.tokens})
-            return concurrent_streams(servers[engine, c].url, ids, args.tokens, NO_CACHE if engine == "llama-server" else {})
+                return genai.ask({"cmd": "batch", "prompts": ids, "tokens": tokens})
+            return concurrent_streams(servers[engine, c].url, ids, tokens, NO_CACHE if engine == "llama-server" else {})
 
         def ttft(engine: str, ids: list[int]) -> float:
             if engine == "genai":
                 return genai.ask({"cmd": "batch", "prompts": [ids], "tokens": 1})["ttft_s"]
             return time_to_first_token(servers[engine, 1].url, ids, NO_CACHE if engine == "llama-server" else {})
 
-        log("warm-up")
+        log("warm-up")  # graphs, thread pools, KV buffers of every slot count: a few tokens suffice
         for e in engines:
             for c in levels:
-                stream(e, c, prompts(c, args.prompt_len, vocab, 999))
+                stream(e, c, prompts(c, args.prompt_len, vocab, 999), WARM_UP_TOKENS)
         for rnd in range(args.rounds):
             order = engines[rnd % len(engines):] + engines[: rnd % len(engines)]
             for c in levels:
@@ -402,6 +404,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--genai-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers it started on the way out
     if args.genai_worker:
         return genai_worker(args.genai_worker, args.threads)
     if args.quick:
