@@ -121,9 +121,14 @@ class Batch:
 
     def _sample(self, logits: np.ndarray, start: int) -> list[Event]:
         events = []
+        rows = self.active[start : start + len(logits)]
+        # Plain greedy rows (the common server case) take one argmax over the whole batch instead
+        # of a copy and an argmax per row; rows with per-row work (sampling, penalties, logprobs,
+        # constraints) still go through their own ``choose``.
+        argmax = logits.argmax(axis=-1).tolist() if any(s.plain_greedy for s in rows) else None
         for i, row_logits in enumerate(logits):
-            seq = self.active[start + i]
-            token = seq.choose(row_logits)
+            seq = rows[i]
+            token = argmax[i] if argmax is not None and seq.plain_greedy else seq.choose(row_logits)
             events.append((seq, seq.accept(token)))
             self.next_ids[start + i] = token
         self.compact()

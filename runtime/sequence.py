@@ -121,6 +121,15 @@ class Sequence:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """``choose`` is the argmax of the raw logits: greedy, no penalties, no logprobs. A batch
+        takes every such row's argmax in one call; any per-row hook added to ``choose`` (a
+        constraint's mask) must make this False, or the batch would skip it."""
+        p = self.params
+        return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty)
+
     def choose(self, logits: np.ndarray) -> int:
         """Sample the next token from a logits row [V] (left untouched)."""
         token = sample(self._penalized(logits), self.params, self.rng)

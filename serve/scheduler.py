@@ -35,6 +35,7 @@ from llmx.serve.prefix_cache import PrefixCache
 
 log = logging.getLogger("llmx.serve")
 INITIAL_KV_CAPACITY = 512  # per row; the cache grows by doubling up to the model's context
+IDLE_PREFILL_CHUNKS = 4  # an idle batch's prefill budget, in chunks (see Scheduler._prefill_budget)
 
 
 class QueueFull(Exception):
@@ -245,7 +246,7 @@ class Scheduler:
     def _admit(self) -> list[Event]:
         """Spend this turn's prefill budget: continue a chunked prompt, then admit short ones
         (a prompt whose start is in the prefix cache computes only the rest)."""
-        budget, events = self.prefill_chunk, []
+        budget, events = self._prefill_budget(), []
         if self._prefill is not None:
             budget -= self._prefill.step()
             if self._prefill.finished:
@@ -273,6 +274,15 @@ class Scheduler:
         events += self.batch.admit(group)
         self._remember_prompts(group)
         return events
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this turn may prefill. The chunk bounds how long running streams wait for
+        their next token; with none running there is nobody to stall, so a burst of short prompts
+        is prefilled in one larger group (one graph run, and every row then decodes from the first
+        step on) instead of a chunk's worth per turn with partial decode steps in between."""
+        if self.batch.active or self._beams:
+            return self.prefill_chunk
+        return IDLE_PREFILL_CHUNKS * self.prefill_chunk
 
     def _join(self, done: ChunkedPrefill) -> list[Event]:
         if self.prefix_cache is not None:

@@ -65,6 +65,29 @@ def test_chunked_prefill_equals_one_prefill_and_joins_a_batch(llama_engine, chun
     assert seq.output_ids == llama_engine.generate([LONG], SamplingParams(**params))[0].output_ids
 
 
+def test_greedy_rows_share_one_argmax_and_rows_with_per_row_work_keep_theirs(llama_engine):
+    """Plain greedy rows take the batch's argmax; logprobs, penalties and sampling rows still run
+    their own ``choose``: every row gets what it would get alone."""
+    jobs = [("import os", dict(max_new_tokens=10, temperature=0, ignore_eos=True)),
+            ("x = [", dict(max_new_tokens=10, temperature=0, logprobs=2, ignore_eos=True)),
+            ("class A:", dict(max_new_tokens=10, temperature=0, repetition_penalty=1.3, ignore_eos=True)),
+            ("def f(", dict(max_new_tokens=10, temperature=0.9, seed=5, ignore_eos=True))]
+    seqs = [sequence(llama_engine, text, **p) for text, p in jobs]
+    assert [s.plain_greedy for s in seqs] == [True, False, False, False]
+    chosen = []
+    for seq in seqs[1:]:  # the rows with per-row work must still be asked, and only they
+        seq.choose = (lambda original, s: lambda logits: chosen.append(s.id) or original(logits))(seq.choose, seq)
+    batch = Batch(llama_engine.backend, rows=4, capacity=32)
+    batch.admit(seqs)
+    while batch.active:
+        batch.step()
+    assert sorted(set(chosen)) == sorted(s.id for s in seqs[1:]) and len(chosen) == 30
+    for (text, p), seq in zip(jobs, seqs):
+        ref = llama_engine.generate([text], SamplingParams(**p))[0]
+        assert seq.output_ids == ref.output_ids
+        assert [lp.token_id for lp in seq.logprobs] == [lp.token_id for lp in ref.logprobs]
+
+
 def drain(ticket, timeout=30.0):
     """All updates of a ticket, in order, once its choices have finished."""
     assert ticket.done.wait(timeout)
@@ -106,6 +129,27 @@ def test_running_streams_keep_decoding_while_a_long_prompt_is_prefilled(engine):
         assert first.turn - long.queued_turn >= chunks  # one chunk per turn, never the whole prompt at once
         during = [u for u in drain(decoding) if long.queued_turn <= u.turn < first.turn]
         assert len(during) >= chunks - 1  # and every one of those turns decoded the running stream
+
+
+def test_an_idle_batch_prefills_a_burst_at_once_a_busy_one_a_chunk_per_turn(engine):
+    texts = ["import os", "x = [1, 2]", "class A:", "def f(a, b):"]
+    chunk = max(len(engine.encode(t)) for t in texts)  # one prompt per chunk, all four in the idle budget
+    assert 2 * min(len(engine.encode(t)) for t in texts) > chunk
+    scheduler = Scheduler(lambda: engine, max_batch=5, prefill_chunk=chunk)
+    burst = [scheduler.submit([sequence(engine, t, max_new_tokens=3, temperature=0)]) for t in texts]
+    calls = engine.backend.prefill_calls
+    with running(scheduler):  # the burst is waiting before the first turn: the batch is idle
+        firsts = [drain(t)[0] for t in burst]
+        assert engine.backend.prefill_calls - calls == 1
+        assert len({u.turn for u in firsts}) == 1
+        decoding = scheduler.submit([sequence(engine, "def", max_new_tokens=60, temperature=0, ignore_eos=True)])
+        decoding.updates.get(timeout=30)
+        busy = [scheduler.submit([sequence(engine, t, max_new_tokens=3, temperature=0)]) for t in texts]
+        turns = [drain(t)[0].turn for t in busy]
+        assert len(set(turns)) == len(texts)  # one chunk per turn while a stream decodes
+        drain(decoding)
+    for t, ticket in zip(texts, burst):
+        assert ticket.seqs[0].output_ids == engine.generate([t], SamplingParams(max_new_tokens=3, temperature=0))[0].output_ids
 
 
 def test_cancel_frees_the_row_at_once(engine):

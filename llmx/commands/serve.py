@@ -26,7 +26,7 @@ def register(cli: click.Group) -> None:
     @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
                   help="Sequences that may wait for a batch row; past it requests get 429 with Retry-After.")
     @click.option("--prefill-chunk", type=click.IntRange(min=1), default=256, show_default=True,
-                  help="Prompt tokens prefilled per scheduler turn; longer prompts are split so decoding never stalls.")
+                  help="Prompt tokens prefilled per scheduler turn while streams decode (4 chunks when none do); longer prompts are split so decoding never stalls.")
     @click.option("--api-key", envvar="LLMX_API_KEY", default=None,
                   help="Require 'Authorization: Bearer KEY' on /v1/* (or set LLMX_API_KEY).")
     @click.option("--model-name", default=None, help="Name clients pass as 'model' (default: the artifact directory's name).")
