@@ -125,10 +125,10 @@ class Sequence:
     def plain_greedy(self) -> bool:
         """``choose`` is the argmax of the raw logits: greedy, no penalties, no logprobs. A batch
         takes every such row's argmax in one call; any per-row hook added to ``choose`` (a
-        constraint's mask) must make this False, or the batch would skip it."""
+        constraint's mask, a logit bias) makes this False, or the batch would skip it."""
         p = self.params
         return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-                and not p.frequency_penalty)
+                and not p.frequency_penalty and not p.logit_bias and self.constraint is None)
 
     def choose(self, logits: np.ndarray) -> int:
         """Sample the next token from a logits row [V] (left untouched)."""
