@@ -23,7 +23,7 @@ from test_cli import error_line, run
 
 
 def _backend(artifact: Path, **options) -> OrtBackend:
-    return OrtBackend(artifact, load_manifest(artifact), threads=1, **options)
+    return OrtBackend(artifact, load_manifest(artifact), threads=1, lazy_prefill=False, **options)
 
 
 def _logits(backend: OrtBackend, prompt: list[int], steps: int) -> list[np.ndarray]:
