@@ -68,7 +68,7 @@ def run_group(precision: str, paths: dict[str, Path], prompt_file: Path, args, l
         for name in group:
             log(f"loading {name}")
             workers.append(Worker(name, paths, prompt_file))
-        results = {w.name: {"runs": [], "load_s": w.ready["load_s"]} for w in workers}
+        results = {w.name: {"runs": [], "load_s": w.ready["load_s"], "plan": w.ready.get("plan")} for w in workers}
         for w in workers:
             w.ask(f"run {args.new_tokens}")
         for rnd in range(args.rounds):
@@ -92,7 +92,7 @@ def summarize(results: dict[str, dict], precision: str) -> dict:
         ttft = [run["ttft_s"] * 1e3 for run in r["runs"]]
         rows[name] = {"decode_tok_s": statistics.median(decode), "ttft_ms": statistics.median(ttft),
                       "decode_runs": decode, "ttft_runs": ttft, "pss_mb": r["pss_mb"], "peak_rss_mb": r["peak_rss_mb"],
-                      "load_s": r["load_s"], "tokens": r["runs"][-1]["token_ids"]}
+                      "load_s": r["load_s"], "plan": r.get("plan"), "tokens": r["runs"][-1]["token_ids"]}
     llmx, g1, g2 = (rows[f"llmx-{precision}"], rows[f"genai-{precision}-1t"], rows[f"genai-{precision}-2t"])
     best = "2t" if g2["decode_tok_s"] >= g1["decode_tok_s"] else "1t"
     decode_ratios = [d / max(a, b) for d, a, b in zip(llmx["decode_runs"], g1["decode_runs"], g2["decode_runs"])]
@@ -123,7 +123,8 @@ def markdown(report: dict) -> str:
                          f"**{s['decode_x_genai_best']:.2f}** | {llmx['ttft_ms']:.0f} | {g1['ttft_ms']:.0f} | "
                          f"{g2['ttft_ms']:.0f} | **{s['ttft_x_genai_best']:.2f}** | {llmx['pss_mb']:.0f} | "
                          f"{best['pss_mb']:.0f} | {pss_x} | {s['same_tokens']} |")
-        lines.append("")
+        plans = sorted({s["engines"][f"llmx-{p}"].get("plan") or "?" for p, s in by_precision.items()})
+        lines += ["", f"llmx chose: {'; '.join(plans)}", ""]
     return "\n".join(lines)
 
 
