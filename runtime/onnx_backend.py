@@ -97,7 +97,7 @@ class OrtBackend:
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
                  optimization: str | None = None, spin: bool | None = None, low_memory: bool = False,
-                 lazy_prefill: bool = True):
+                 lazy_prefill: bool | None = None):
         _ort()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
@@ -120,6 +120,10 @@ class OrtBackend:
         # One prepacked copy of the weights, not two: a single prompt is prefilled by the decode
         # graph (it takes T new tokens after an empty past), so the prefill graph, whose session
         # packs its own copy of every weight, loads only when a batch of prompts needs it.
+        # That costs TTFT (the decode graph's LM head runs on every prompt position): LLMX_PREFILL_SESSION=eager
+        # trades the memory back for it.
+        if lazy_prefill is None:
+            lazy_prefill = os.environ.get("LLMX_PREFILL_SESSION", "lazy") != "eager"
         self.lazy_prefill = lazy_prefill
         if not lazy_prefill:
             self.sessions["prefill"] = self._load("prefill")

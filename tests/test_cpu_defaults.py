@@ -135,3 +135,8 @@ def test_one_prompt_prefill_refuses_an_empty_prompt(llama_artifact):
     backend = OrtBackend(llama_artifact, load_manifest(llama_artifact), threads=1)
     with pytest.raises(InputError, match="at least one token"):
         backend.prefill(backend.new_cache(1, 4), [0], [[]])
+
+
+def test_the_environment_can_load_the_prefill_session_eagerly(llama_artifact, monkeypatch):
+    monkeypatch.setenv("LLMX_PREFILL_SESSION", "eager")
+    assert set(OrtBackend(llama_artifact, load_manifest(llama_artifact), threads=1).sessions) == {"prefill", "decode"}
