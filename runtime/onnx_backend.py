@@ -122,8 +122,10 @@ class OrtBackend:
         # packs its own copy of every weight, loads only when a batch of prompts needs it.
         # That costs TTFT (the decode graph's LM head runs on every prompt position): LLMX_PREFILL_SESSION=eager
         # trades the memory back for it.
+        # An int8 KV cache is the exception: the decode graph would attend over the prompt's own
+        # quantized keys/values, where the prefill graph uses them unrounded.
         if lazy_prefill is None:
-            lazy_prefill = os.environ.get("LLMX_PREFILL_SESSION", "lazy") != "eager"
+            lazy_prefill = os.environ.get("LLMX_PREFILL_SESSION", "lazy") != "eager" and not manifest.kv.quantization
         self.lazy_prefill = lazy_prefill
         if not lazy_prefill:
             self.sessions["prefill"] = self._load("prefill")
