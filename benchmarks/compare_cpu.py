@@ -98,17 +98,21 @@ def _llmx(args: list[str]) -> None:
     subprocess.run([LLMX, *args], check=True)
 
 
-def build_model(key: str, cache: Path, paths: dict[str, Path], calib_data: Path, log) -> Path:
-    """The model called ``key`` (see ENGINES), building it and what it comes from if missing."""
+def build_model(key: str, cache: Path, paths: dict[str, Path], calib_data: Path, log, shape: str = "smollm-135m",
+                calibrate_args: tuple[str, ...] = ()) -> Path:
+    """The model called ``key`` (see ENGINES), building it and what it comes from if missing.
+
+    ``shape`` picks the checkpoint (smollm_shape.SHAPES); ``calibrate_args`` go to ``llmx calibrate``
+    (a 1.1B model needs fewer evaluation windows to build in minutes)."""
     if key in paths:
         return paths[key]
     out = cache / key
     if key == "ckpt":
-        path = build_checkpoint(out)
+        path = build_checkpoint(out, shape=shape)
     elif key in ("art", "art-opt"):
         if not (out / "llmx.json").is_file():
-            source = ["export", str(build_model("ckpt", cache, paths, calib_data, log))] if key == "art" else \
-                ["optimize", str(build_model("art", cache, paths, calib_data, log))]
+            source = ["export", str(build_model("ckpt", cache, paths, calib_data, log, shape))] if key == "art" else \
+                ["optimize", str(build_model("art", cache, paths, calib_data, log, shape))]
             log(f"llmx {source[0]}")
             _llmx([*source, "-o", str(out)])
         path = out
@@ -116,18 +120,18 @@ def build_model(key: str, cache: Path, paths: dict[str, Path], calib_data: Path,
         source, scheme = key.rsplit("-", 1)
         if not (out / "llmx.json").is_file():
             log(f"llmx calibrate {source} --scheme {scheme}")
-            _llmx(["calibrate", str(build_model(source, cache, paths, calib_data, log)), "--data", str(calib_data),
-                   "--scheme", scheme, "-o", str(out)])
+            _llmx(["calibrate", str(build_model(source, cache, paths, calib_data, log, shape, calibrate_args)), "--data", str(calib_data),
+                   "--scheme", scheme, *calibrate_args, "-o", str(out)])
         path = out
     elif key.startswith("genai"):
         precision_name = key.split("-", 1)[1] if "-" in key else "fp32"
-        path = build_genai(build_model("ckpt", cache, paths, calib_data, log), cache / f"genai-{precision_name}", log,
+        path = build_genai(build_model("ckpt", cache, paths, calib_data, log, shape), cache / f"genai-{precision_name}", log,
                            precision_name)
     elif key == "gguf":
-        path = build_gguf(build_model("ckpt", cache, paths, calib_data, log), cache / "smollm-f32.gguf", log)
+        path = build_gguf(build_model("ckpt", cache, paths, calib_data, log, shape), cache / "smollm-f32.gguf", log)
     else:  # gguf-q8_0, gguf-q4_0
         ftype = key.split("-", 1)[1]
-        path = quantize_gguf(build_model("gguf", cache, paths, calib_data, log), cache / f"smollm-{ftype}.gguf", ftype, log)
+        path = quantize_gguf(build_model("gguf", cache, paths, calib_data, log, shape), cache / f"smollm-{ftype}.gguf", ftype, log)
     paths[key] = path
     return path
 

@@ -37,6 +37,11 @@ class Llmx:
             options["low_memory"] = True
         self.engine = Engine.load(model, threads=threads, **options)
 
+    def describe(self) -> str | None:
+        """The threads/spinning the backend chose (runtime/cpu_plan.py), for the report."""
+        plan = getattr(self.engine.backend, "cpu_plan", None)
+        return plan.describe() if plan else None
+
     def generate(self, prompt: list[int], new_tokens: int):
         from llmx.runtime.bench import run_once
 
@@ -183,7 +188,8 @@ def main() -> None:
     if extra and args.engine != "llmx":
         sys.exit("--low-memory is an llmx option")
     engine = ENGINES[args.engine](args.model, args.threads, args.spin, **extra)
-    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb()}), flush=True)
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb(),
+                      "plan": getattr(engine, "describe", lambda: None)()}), flush=True)
     serve(engine, prompts)
 
 

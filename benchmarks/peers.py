@@ -9,6 +9,7 @@ from that f32 GGUF by llama.cpp's own ``llama_model_quantize`` (``gguf_quantize.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tarfile
@@ -26,7 +27,10 @@ def has_module(name: str) -> bool:
 
 
 def _peers(args: list[str], log, cwd: Path | None = None) -> None:
-    out = subprocess.run([str(PEERS_PYTHON), *args], capture_output=True, text=True, cwd=cwd)
+    # PEERS_PYTHONPATH: packages a peers venv lacks, installed with `pip install --target DIR`
+    # (a venv built before onnx-ir joined peers-requirements.txt).
+    env = dict(os.environ, PYTHONPATH=os.environ["PEERS_PYTHONPATH"]) if os.environ.get("PEERS_PYTHONPATH") else None
+    out = subprocess.run([str(PEERS_PYTHON), *args], capture_output=True, text=True, cwd=cwd, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args[:3])} failed:\n{out.stderr[-3000:]}")
 

@@ -27,6 +27,18 @@ SMOLLM_135M = dict(
     eos_token_id=2,
     pad_token_id=0,
 )
+# TinyLlama-1.1B's shape (TinyLlama/TinyLlama-1.1B-Chat-v1.0): the 1.1B point of issue 17's comparison.
+TINYLLAMA_1_1B = dict(
+    SMOLLM_135M,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
+SHAPES = {"smollm-135m": SMOLLM_135M, "tinyllama-1.1b": TINYLLAMA_1_1B}
 SPECIALS = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 
 
@@ -55,8 +67,8 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     }))
 
 
-def build_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """Write the checkpoint into ``directory`` once; later calls reuse it."""
+def build_checkpoint(directory: Path, seed: int = 0, shape: str = "smollm-135m") -> Path:
+    """Write the checkpoint of ``shape`` (a SHAPES key) into ``directory`` once; later calls reuse it."""
     directory = Path(directory)
     if (directory / "config.json").is_file() and (directory / "model.safetensors").is_file():
         return directory
@@ -64,9 +76,9 @@ def build_checkpoint(directory: Path, seed: int = 0) -> Path:
     import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(directory, SMOLLM_135M["vocab_size"])
+    write_tokenizer(directory, SHAPES[shape]["vocab_size"])
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**SMOLLM_135M)
+    config = transformers.LlamaConfig(**SHAPES[shape])
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(directory)
     return directory

@@ -204,7 +204,7 @@ def calibrate_kv(src: Path, manifest: Manifest, windows: list[list[int]], thread
     from llmx.runtime.engine import make_backend
 
     check_quantizable(manifest)
-    backend = make_backend(src, manifest, "ort-cpu", threads=threads)
+    backend = make_backend(src, manifest, "ort-cpu", threads=threads, lazy_prefill=False)  # the prefill graph's KV too
     return kv_scales(kv_absmax(backend, windows), rope=manifest.model.position == "rope")
 
 

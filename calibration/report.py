@@ -38,8 +38,10 @@ def measure(reference: Path, candidate: Path, candidate_manifest: Manifest, wind
     from llmx.runtime.evaluate import agreement
 
     ref_manifest = load_manifest(reference)
-    ref = make_backend(reference, ref_manifest, "ort-cpu", threads=threads)
-    cand = make_backend(candidate, candidate_manifest, "ort-cpu", threads=threads)
+    # lazy_prefill=False: the report must judge the prefill graph too (a batch of prompts runs it),
+    # even when a window batch holds one row, which the default would prefill on the decode graph.
+    ref = make_backend(reference, ref_manifest, "ort-cpu", threads=threads, lazy_prefill=False)
+    cand = make_backend(candidate, candidate_manifest, "ort-cpu", threads=threads, lazy_prefill=False)
     result = agreement(ref, cand, windows, progress).summary()
     return {
         "fp32": {"perplexity": result["reference_perplexity"], "graph_bytes": graph_bytes(reference, ref_manifest)},

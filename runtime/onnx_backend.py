@@ -16,6 +16,7 @@ import numpy as np
 from llmx.artifact_paths import artifact_file
 from llmx.errors import ArtifactError, InputError, LlmxError, require
 from llmx.manifest import Manifest
+from llmx.runtime.cpu_plan import physical_cores, plan_threads
 from llmx.runtime.kv_cache import KVCache
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 
@@ -33,7 +34,7 @@ def _ort():
 def session_options(threads: int | None = None, optimization: str = "all", spin: bool = False, prepack: bool = True):
     ort = _ort()
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads or _physical_cores()
+    opts.intra_op_num_threads = threads or physical_cores()
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     levels = {
@@ -45,10 +46,13 @@ def session_options(threads: int | None = None, optimization: str = "all", spin:
     if optimization not in levels:
         raise InputError(f"optimization level must be one of {', '.join(levels)}, got {optimization!r}")
     opts.graph_optimization_level = levels[optimization]
-    # Spinning workers wait for the next op by busy-looping. On a CPU shared with other processes a
-    # descheduled spinner stalls every op (measured here: decode 2-3x slower with 2 spinning threads
-    # than without, docs/performance.md); off, the cost is ~10% on an idle box. Dedicated boxes may turn it on.
+    # Spinning workers wait for the next op by busy-looping: fastest when each thread has a core of
+    # its own, 2-3x slower when one is descheduled (runtime/cpu_plan.py decides). When they spin,
+    # they stop at the end of every run, so nothing burns between decode steps' Python work or
+    # while a server is idle.
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        opts.add_session_config_entry("session.force_spinning_stop", "1")
     if not prepack:
         # ONNX Runtime memory-maps weights.bin (its tensors sit on 64 KiB boundaries) but then
         # copies every MatMul weight into a packed layout, once per session. Without that copy the
@@ -58,15 +62,6 @@ def session_options(threads: int | None = None, optimization: str = "all", spin:
         opts.add_session_config_entry("session.disable_prepacking", "1")
     opts.log_severity_level = 3
     return opts
-
-
-def _physical_cores() -> int:
-    try:
-        import psutil
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except ImportError:
-        return os.cpu_count() or 1
 
 
 class _MappedFiles:
@@ -101,8 +96,9 @@ class OrtBackend:
     """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider (a Backend)."""
 
     def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
-                 optimization: str | None = None, spin: bool = False, low_memory: bool = False):
-        ort = _ort()
+                 optimization: str | None = None, spin: bool | None = None, low_memory: bool = False,
+                 lazy_prefill: bool | None = None):
+        _ort()
         if provider not in PROVIDERS:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         if provider != "cpu":
@@ -114,20 +110,25 @@ class OrtBackend:
             raise InputError(f"--low-memory applies to unquantized artifacts; this one is "
                              f"{manifest.precision.scheme} (its kernels need their packed weights)")
         self.low_memory = low_memory
-        self.sessions = {}
+        # None: decided from the cores free now (runtime/cpu_plan.py); the plan is kept for bench/serve to report.
+        self.cpu_plan = plan_threads(threads, spin)
+        self._ort_provider, self._optimization = PROVIDERS[provider], optimization
         for name in ("prefill", "decode"):
-            graph = manifest.graphs.get(name)
-            if graph is None:
+            if manifest.graphs.get(name) is None:
                 raise ArtifactError(f"artifact has no {name} graph")
-            # Graphs fresh from `llmx optimize` are fused already and say so (ort_optimization "basic").
-            opts = session_options(threads, optimization or graph.ort_optimization or "all", spin, prepack=not low_memory)
-            path = artifact_file(self.artifact, graph.file, f"graphs.{name}.file")
-            if not path.is_file():
-                raise ArtifactError(f"artifact is missing {graph.file}")
-            try:
-                self.sessions[name] = ort.InferenceSession(str(path), opts, providers=[PROVIDERS[provider]])
-            except Exception as exc:
-                raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
+        self.sessions = {"decode": self._load("decode")}
+        # One prepacked copy of the weights, not two: a single prompt is prefilled by the decode
+        # graph (it takes T new tokens after an empty past), so the prefill graph, whose session
+        # packs its own copy of every weight, loads only when a batch of prompts needs it.
+        # That costs TTFT (the decode graph's LM head runs on every prompt position): LLMX_PREFILL_SESSION=eager
+        # trades the memory back for it.
+        # An int8 KV cache is the exception: the decode graph would attend over the prompt's own
+        # quantized keys/values, where the prefill graph uses them unrounded.
+        if lazy_prefill is None:
+            lazy_prefill = os.environ.get("LLMX_PREFILL_SESSION", "lazy") != "eager" and not manifest.kv.quantization
+        self.lazy_prefill = lazy_prefill
+        if not lazy_prefill:
+            self.sessions["prefill"] = self._load("prefill")
         self._mapped = _MappedFiles(self.artifact, manifest) if low_memory else None
         kv = manifest.kv
         self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
@@ -137,7 +138,20 @@ class OrtBackend:
         self._binding = self.sessions["decode"].io_binding()
         self._logits: np.ndarray | None = None
         self._bound_kv: tuple | None = None  # (cache buffer list, first row, rows) the decode binding points at
-        self.prefill_calls = 0  # for tests and metrics: how often the prefill graph ran
+        self.prefill_calls = 0  # for tests and metrics: how often prefill ran (on either graph)
+
+    def _load(self, name: str):
+        graph = self.manifest.graphs[name]
+        # Graphs fresh from `llmx optimize` are fused already and say so (ort_optimization "basic").
+        opts = session_options(self.cpu_plan.threads, self._optimization or graph.ort_optimization or "all",
+                               self.cpu_plan.spin, prepack=not self.low_memory)
+        path = artifact_file(self.artifact, graph.file, f"graphs.{name}.file")
+        if not path.is_file():
+            raise ArtifactError(f"artifact is missing {graph.file}")
+        try:
+            return _ort().InferenceSession(str(path), opts, providers=[self._ort_provider])
+        except Exception as exc:
+            raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
 
     @property
     def max_seq_len(self) -> int:
@@ -152,11 +166,18 @@ class OrtBackend:
         """Run whole prompts; write their KV into ``rows``; return last-position logits [n, V]."""
         if self._mapped is not None:
             self._mapped.check()
+        self.prefill_calls += 1
+        if len(prompts) == 1 and "prefill" not in self.sessions:
+            if not prompts[0]:
+                raise InputError("a prompt must have at least one token")
+            cache.lengths[rows[0]] = 0
+            return self._decode(cache, np.asarray(prompts, dtype=np.int64), rows[0])[:, -1]
+        if "prefill" not in self.sessions:
+            self.sessions["prefill"] = self._load("prefill")
         ids, mask, positions, lengths = prompt_inputs(prompts, padding)
         width = ids.shape[1]
         cache.ensure_capacity(width)
         outputs = self.sessions["prefill"].run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
-        self.prefill_calls += 1
         logits, presents = outputs[0], outputs[1:]
         for i, (row, n) in enumerate(zip(rows, lengths)):
             span = slice(width - n, width) if padding == "left" else slice(0, n)

@@ -23,7 +23,7 @@ from test_cli import error_line, run
 
 
 def _backend(artifact: Path, **options) -> OrtBackend:
-    return OrtBackend(artifact, load_manifest(artifact), threads=1, **options)
+    return OrtBackend(artifact, load_manifest(artifact), threads=1, lazy_prefill=False, **options)
 
 
 def _logits(backend: OrtBackend, prompt: list[int], steps: int) -> list[np.ndarray]:
@@ -81,7 +81,9 @@ _MEMORY = textwrap.dedent("""
             return sum(int(l.split()[1]) for l in f if l.startswith("Pss_Anon:")) / 1024
 
     before = anon_mb()
-    backend = OrtBackend(sys.argv[1], load_manifest(sys.argv[1]), threads=1, low_memory=sys.argv[2] == "1")
+    mode = sys.argv[2]  # "eager": both sessions packed; "lazy": the default; "low": --low-memory
+    backend = OrtBackend(sys.argv[1], load_manifest(sys.argv[1]), threads=1, low_memory=mode == "low",
+                         lazy_prefill=mode != "eager")
     cache = backend.new_cache(1, 16)
     backend.prefill(cache, [0], [[1, 5, 9, 14]])
     backend.decode(cache, np.array([[7]]))
@@ -100,12 +102,14 @@ def test_weights_are_shared_not_copied_per_graph(tmp_path):
     export_checkpoint(ckpt, art)
     weights_mb = (art / "weights.bin").stat().st_size / 2**20
     anon = {}
-    for low in ("0", "1"):
-        out = subprocess.run([sys.executable, "-c", _MEMORY, str(art), low], capture_output=True, text=True, check=True)
-        anon[low] = json.loads(out.stdout.splitlines()[-1])["anon_mb"]
-    # Packed: a private copy per graph (prefill and decode). Low memory: the mapped file only.
-    assert anon["0"] > 1.5 * weights_mb, (anon, weights_mb)
-    assert anon["1"] < 0.3 * weights_mb, (anon, weights_mb)
+    for mode in ("eager", "lazy", "low"):
+        out = subprocess.run([sys.executable, "-c", _MEMORY, str(art), mode], capture_output=True, text=True, check=True)
+        anon[mode] = json.loads(out.stdout.splitlines()[-1])["anon_mb"]
+    # Both sessions packed: a private copy per graph. The default (one prompt prefilled on the
+    # decode session): one copy. Low memory: the mapped file only.
+    assert anon["eager"] > 1.5 * weights_mb, (anon, weights_mb)
+    assert 0.8 * weights_mb < anon["lazy"] < 1.4 * weights_mb, (anon, weights_mb)
+    assert anon["low"] < 0.3 * weights_mb, (anon, weights_mb)
 
 
 def test_server_loads_its_engine_in_low_memory_mode(llama_artifact):

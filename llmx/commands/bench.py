@@ -27,8 +27,9 @@ def register(cli: click.Group) -> None:
     @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed runs first.")
     @click.option("--context", "contexts", default=None, metavar="N,N,...",
                   help="Also time one decode step at these context lengths (e.g. 64,256,1024).")
-    @click.option("--spin/--no-spin", default=False, show_default=True,
-                  help="Let ONNX Runtime's idle threads busy-wait (faster on a dedicated CPU, slower on a shared one).")
+    @click.option("--spin/--no-spin", default=None,
+                  help="Let ONNX Runtime's threads busy-wait while a graph runs (default: when each thread has a free "
+                       "core at start-up; env LLMX_SPIN=0|1).")
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
     @backend_options
     def bench(artifact, prompt_len, new_tokens, batch, repeat, warmup, contexts, spin, as_json, backend, threads, low_memory):
@@ -45,9 +46,9 @@ def register(cli: click.Group) -> None:
         contexts = _contexts(contexts)
         engine = Engine.load(artifact, backend=backend, **engine_options(backend, threads, low_memory, spin))
         result = run_bench(engine.backend, engine.tokenizer, prompt_len, new_tokens, batch, repeat, warmup).to_dict()
-        sessions = getattr(engine.backend, "sessions", {})
-        used = sessions["decode"].get_session_options().intra_op_num_threads if "decode" in sessions else threads
-        result.update(artifact=str(artifact), backend=backend, threads=used, spin=spin, low_memory=low_memory,
+        plan = getattr(engine.backend, "cpu_plan", None)
+        result.update(artifact=str(artifact), backend=backend, threads=plan.threads if plan else threads,
+                      spin=plan.spin if plan else spin, cpu_plan=plan.describe() if plan else None, low_memory=low_memory,
                       optimized=bool(engine.manifest.stage_applied("optimize")))
         if contexts:
             sweep = context_sweep(engine.backend, engine.tokenizer, contexts, batch=batch)
@@ -64,7 +65,7 @@ def register(cli: click.Group) -> None:
 def _table(r: dict) -> str:
     lines = [
         f"{r['artifact']}: prompt {r['prompt_len']}, {r['new_tokens']} new tokens, batch {r['batch']}, "
-        f"median of {r['repeat']} runs",
+        f"median of {r['repeat']} runs" + (f"\n  threads     {r['cpu_plan']}" if r.get("cpu_plan") else ""),
         f"  TTFT        {r['ttft_ms']:10.1f} ms",
         f"  TPOT        {r['tpot_ms']:10.2f} ms   (p50 {r['tpot_p50_ms']:.2f}, p90 {r['tpot_p90_ms']:.2f})",
         f"  prefill     {r['prefill_tokens_per_s']:10.1f} tok/s",

@@ -24,6 +24,8 @@ def register(cli: click.Group) -> None:
         from llmx.runtime.evaluate import agreement, perplexity
 
         options = engine_options(backend, threads, low_memory)
+        if backend == "ort-cpu":
+            options["lazy_prefill"] = False  # score the prefill graph even for one-row window batches
         engine = Engine.load(artifact, backend=backend, **options)
         if seq_len > engine.max_seq_len:
             raise InputError(f"--seq-len {seq_len} exceeds the model's maximum length {engine.max_seq_len}")

@@ -10,7 +10,7 @@ from llmx.errors import InputError
 BACKEND_CHOICES = ("ort-cpu", "ort-cuda", "ort-tensorrt", "tensorrt")
 
 threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
-                              help="Intra-op threads (default: physical cores).")
+                              help="Intra-op threads (default: the cores free at start-up when generating, else physical cores).")
 force_option = click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
 
 
