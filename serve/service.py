@@ -37,15 +37,16 @@ CLIENT_CHECK_S = 0.25  # how often a whole answer's wait looks whether its clien
 def build_service(artifact: str | Path | None = None, *, engine=None, model_name: str | None = None,
                   max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
-                  threads: int | None = None, spin: bool = False, low_memory: bool = False,
+                  threads: int | None = None, spin: bool | None = None, low_memory: bool = False,
                   prefix_cache_mb: int | None = None, speculative: str | None = None,
                   draft: str | None = None, num_draft_tokens: int = 4, tool_call_format: str | None = None) -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
     ``api_key`` defaults to the LLMX_API_KEY environment variable; without either, no key is asked.
-    ``spin`` lets ONNX Runtime's threads spin between operators: off by default, because the
-    server's HTTP threads need the same cores (measured: 1.7x faster decode without it on a
-    busy 2-core host, docs/serving.md). ``low_memory`` (ort-cpu, unquantized artifacts) serves from
+    ``spin`` lets ONNX Runtime's threads spin while a graph runs; None decides from the cores free
+    at start-up (runtime/cpu_plan.py): on a quiet host spinning, stopped after every run, is
+    1.13-1.24x the server's aggregate decode; on a busy one the plan takes one thread that
+    never spins (docs/serving.md). ``low_memory`` (ort-cpu, unquantized artifacts) serves from
     one memory-mapped copy of the weights, shared with other processes serving the same artifact
     (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off; None: the KV of ``max_batch``
     full-context sequences, at most 256 MiB, serve/prefix_cache.py);

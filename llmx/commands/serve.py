@@ -32,8 +32,9 @@ def register(cli: click.Group) -> None:
     @click.option("--model-name", default=None, help="Name clients pass as 'model' (default: the artifact directory's name).")
     @click.option("--max-body-kb", type=click.IntRange(min=1), default=1024, show_default=True, help="Largest request body accepted.")
     @click.option("--quiet", is_flag=True, help="No per-request access log lines.")
-    @click.option("--spin/--no-spin", default=False, show_default=True,
-                  help="Let ONNX Runtime threads busy-wait between operators (only on cores the HTTP threads do not need).")
+    @click.option("--spin/--no-spin", default=None,
+                  help="Let ONNX Runtime's threads busy-wait while a graph runs (default: when each thread has a free "
+                       "core at start-up; env LLMX_SPIN=0|1).")
     @click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=None,
                   help="KV memory for reusing shared prompt prefixes across requests (0 turns it off; default: "
                        "the KV of --max-batch full-context sequences, at most 256).")
