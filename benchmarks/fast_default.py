@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -34,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from compare_cpu import ENGINES, Worker, build_model, write_prompts  # noqa: E402
-from peers import PEERS_PYTHON, has_module  # noqa: E402
+from peers import PEERS_PYTHON, has_module, start_neighbour  # noqa: E402
 from smollm_shape import SHAPES  # noqa: E402
 
 # precision -> (llmx model key, genai model key); the genai keys build with genai's own builder.
@@ -52,11 +51,6 @@ def engines_for(precision: str) -> dict[str, tuple]:
         f"genai-{precision}-1t": ("genai", genai, PEERS_PYTHON, ["--threads", "1"]),
         f"genai-{precision}-2t": ("genai", genai, PEERS_PYTHON, ["--threads", "2"]),
     }
-
-
-def start_neighbour() -> subprocess.Popen:
-    """A process that keeps one core busy: what a busy host looks like to the engines."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def run_group(precision: str, paths: dict[str, Path], prompt_file: Path, args, log) -> dict[str, dict]:

@@ -12,12 +12,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PEERS_PYTHON = HERE / ".peers-venv" / "bin" / "python"
+
+
+def start_neighbour() -> subprocess.Popen:
+    """A process that keeps one core busy: what a busy host looks like to the engines."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def has_module(name: str) -> bool:

@@ -398,6 +398,8 @@ def main() -> None:
     ap.add_argument("--long", default="2048,8192", help="prompt lengths for TTFT ('' for none)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--busy", action="store_true",
+                    help="a neighbour process burns one core for the whole run (started before the engines load)")
     ap.add_argument("--llmx-args", default="", help="extra `llmx serve` flags, e.g. '--spin'")
     ap.add_argument("--quick", action="store_true", help="1 round, C = 1, 8, 16 tokens, a 1k prompt")
     ap.add_argument("--cache", type=Path, default=HERE / ".cache")
@@ -414,7 +416,7 @@ def main() -> None:
     args.long = [int(n) for n in args.long.split(",") if n]
     args.llmx_args = args.llmx_args.split()
     sys.path.insert(0, str(HERE))
-    from peers import has_module
+    from peers import has_module, start_neighbour
 
     if "llama-server" in args.engines and not LLAMA_SERVER.is_file():
         sys.exit("llama-server is not built: run benchmarks/build_llama_server.sh")
@@ -423,17 +425,24 @@ def main() -> None:
     paths = build_models(args.cache, args.shape, args.engines)
     vocab = json.loads((paths["ckpt"] / "config.json").read_text())["vocab_size"]
     load_start = round(os.getloadavg()[0], 2)
-    data = run(args, paths, vocab)
+    neighbour = start_neighbour() if args.busy else None
+    try:
+        data = run(args, paths, vocab)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
     table, ratios = summarize(data, args.engines)
     meta = {"shape": args.shape, "engines": args.engines, "concurrency": args.concurrency, "tokens": args.tokens,
             "prompt_len": args.prompt_len, "long": args.long, "rounds": args.rounds, "threads": args.threads,
-            "llmx_args": args.llmx_args, "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
+            "llmx_args": args.llmx_args, "host": "busy" if args.busy else "quiet", "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count(),
             "load_avg_1m_at_start": load_start, "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
             "command": " ".join(["python", *sys.argv])}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"server_{time.strftime('%Y%m%d_%H%M')}{'_quick' if args.quick else ''}"
+    stem = args.out / f"server_{time.strftime('%Y%m%d_%H%M')}{'_busy' if args.busy else ''}{'_quick' if args.quick else ''}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "ratios": ratios, **data}, indent=1))
-    header = (f"{args.shape} shape, fp32, {args.threads} threads each, {args.rounds} rounds; load average "
+    header = (f"{args.shape} shape, fp32, {args.threads} threads each, {args.rounds} rounds, "
+              f"{'a one-core neighbour burning (busy host)' if args.busy else 'no neighbour'}; load average "
               f"{load_start} -> {meta['load_avg_1m_at_end']} on {os.cpu_count()} CPUs; {data['wall_s']} s\n\n")
     stem.with_suffix(".md").write_text(header + table)
     plot(data, args.engines, stem.with_suffix(".png"))

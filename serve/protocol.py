@@ -324,7 +324,8 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
     if len(prompts) * f["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n may be at most {MAX_CHOICES}", param="n")
     budgets = [fit_context(p, max_tokens, engine.max_seq_len, "messages" if chat else "prompt") for p in prompts]
-    f["logit_bias"] = f["logit_bias"] and logit_bias(engine.manifest.model.vocab_size)(f["logit_bias"], "logit_bias")
+    if f["logit_bias"] is not None:  # null means none; "", 0 and [] are wrong types, not "none"
+        f["logit_bias"] = logit_bias(engine.manifest.model.vocab_size)(f["logit_bias"], "logit_bias")
     f["constraint"] = constraint(f, engine)
     params = [sampling_params(f, budget, logprobs, j) for budget in budgets for j in range(f["n"])]
     include_usage = bool(f["stream_options"] and f["stream_options"]["include_usage"])

@@ -257,6 +257,7 @@ def test_tokenize_round_trip(server):
     ({"structured_outputs": {"json": "{nope"}}, "structured_outputs", "not valid JSON"),
     ({"logit_bias": {"4096": 5}}, "logit_bias[\"4096\"]", "token id in [0, 4096)"),
     ({"logit_bias": {"7": 101}}, "logit_bias[\"7\"]", "[-100, 100]"),
+    ({"logit_bias": ""}, "logit_bias", "an object mapping"),  # falsy but not null: still a wrong type
     ({"response_format": {"type": "json_object"}, "use_beam_search": True, "n": 2}, "response_format", "beam search"),
 ])
 def test_bad_constraints_are_400_before_any_work(server, body, param, words):
