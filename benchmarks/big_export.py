@@ -28,23 +28,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from smollm_shape import write_tokenizer  # noqa: E402
+from smollm_shape import TINYLLAMA_1_1B as TINYLLAMA_1B, write_tokenizer  # noqa: E402
 
-TINYLLAMA_1B = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    vocab_size=32000,
-    max_position_embeddings=2048,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
 LAYERS_PER_SHARD = 4
 
 
