@@ -34,18 +34,17 @@ def value_info() -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(NAME, TensorProto.INT64, [])
 
 
-def slice_nodes(hidden: str, kept: str) -> list[onnx.NodeProto]:
-    """``kept`` = hidden[:, -logits_to_keep:]; Slice clamps, so 0 (start -0) and k > T keep all."""
-    def const(name: str, value) -> onnx.NodeProto:
-        return helper.make_node("Constant", [], [f"{kept}/{name}"], value=numpy_helper.from_array(np.array(value, np.int64)))
-
-    return [
-        const("axes", [1]),
-        const("ends", [_END]),
+def slice_nodes(hidden: str, kept: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """Nodes and constants for ``kept`` = hidden[:, -logits_to_keep:]; Slice clamps, so 0 (start -0)
+    and k > T keep every position."""
+    one, end = f"{kept}/one", f"{kept}/end"  # [1] is both the axis and the shape of starts
+    constants = [numpy_helper.from_array(np.array([1], np.int64), one), numpy_helper.from_array(np.array([_END], np.int64), end)]
+    nodes = [
         helper.make_node("Neg", [NAME], [f"{kept}/neg"]),
-        helper.make_node("Reshape", [f"{kept}/neg", f"{kept}/axes"], [f"{kept}/starts"]),  # [] -> [1]; axes is [1]
-        helper.make_node("Slice", [hidden, f"{kept}/starts", f"{kept}/ends", f"{kept}/axes"], [kept]),
+        helper.make_node("Reshape", [f"{kept}/neg", one], [f"{kept}/start"]),  # [] -> [1]
+        helper.make_node("Slice", [hidden, f"{kept}/start", end, one], [kept]),
     ]
+    return nodes, constants
 
 
 def add_to_decode_graph(model: onnx.ModelProto, lm_head: str) -> None:
@@ -55,11 +54,12 @@ def add_to_decode_graph(model: onnx.ModelProto, lm_head: str) -> None:
                     (None, None))
     if head is None:
         raise ValueError(f"no MatMul reads {lm_head}: cannot find the decode graph's LM head")
-    for offset, node in enumerate(slice_nodes(head.input[0], HIDDEN)):
+    nodes, constants = slice_nodes(head.input[0], HIDDEN)
+    for offset, node in enumerate(nodes):
         graph.node.insert(at + offset, node)
     head.input[0] = HIDDEN
     graph.input.append(value_info())
-    graph.initializer.append(default_value())
+    graph.initializer.extend([default_value(), *constants])
     logits = next(o for o in graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[1].ClearField("dim_value")
     logits.type.tensor_type.shape.dim[1].dim_param = KEPT_AXIS

@@ -348,9 +348,11 @@ def _mlp_input(names: dict[str, str]) -> str:
 
 def _kept_positions(g: GraphBuilder, h: str) -> str:
     """The last ``logits_to_keep`` positions of h (0: all), with the input's default as in the exported graph."""
-    g.weight(logits_to_keep.default_value())
     kept = g.fresh("kept")
-    g.nodes.extend(logits_to_keep.slice_nodes(h, kept))
+    nodes, constants = logits_to_keep.slice_nodes(h, kept)
+    for tensor in (logits_to_keep.default_value(), *constants):
+        g.weight(tensor)
+    g.nodes.extend(nodes)
     return kept
 
 

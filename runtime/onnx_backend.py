@@ -121,8 +121,8 @@ class OrtBackend:
         # One prepacked copy of the weights, not two: a single prompt is prefilled by the decode
         # graph (it takes T new tokens after an empty past), so the prefill graph, whose session
         # packs its own copy of every weight, loads only when a batch of prompts needs it.
-        # That costs TTFT (the decode graph's LM head runs on every prompt position): LLMX_PREFILL_SESSION=eager
-        # trades the memory back for it.
+        # logits_to_keep=1 keeps its LM head to the last position (graphs that declare it; older
+        # ones pay it on every prompt position); LLMX_PREFILL_SESSION=eager trades the memory back.
         # An int8 KV cache is the exception: the decode graph would attend over the prompt's own
         # quantized keys/values, where the prefill graph uses them unrounded.
         if lazy_prefill is None:

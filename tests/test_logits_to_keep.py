@@ -113,6 +113,8 @@ def strip_logits_to_keep(model: onnx.ModelProto) -> None:
         graph.node.remove(node)
     for field in (graph.input, graph.initializer):
         field.remove(next(v for v in field if v.name == logits_to_keep.NAME))
+    for constant in [t for t in graph.initializer if t.name.startswith(slice_node.output[0] + "/")]:
+        graph.initializer.remove(constant)
     next(o for o in graph.output if o.name == "logits").type.tensor_type.shape.dim[1].dim_param = "new_tokens"
 
 
