@@ -15,9 +15,12 @@ so only the norm (H values per position) still runs on every position.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+
+if TYPE_CHECKING:  # the runtime reads NAME on edge boxes without the onnx package
+    import onnx
 
 NAME = "logits_to_keep"
 KEPT_AXIS = "kept_tokens"  # the logits' dynamic axis 1 once the input exists
@@ -25,18 +28,24 @@ HIDDEN = f"{NAME}/hidden"  # the exported decode graph's sliced hidden states, t
 _END = np.iinfo(np.int64).max
 
 
-def default_value() -> onnx.TensorProto:
+def default_value() -> "onnx.TensorProto":
     """The input's initializer: 0, every position."""
+    from onnx import numpy_helper
+
     return numpy_helper.from_array(np.array(0, np.int64), NAME)
 
 
-def value_info() -> onnx.ValueInfoProto:
+def value_info() -> "onnx.ValueInfoProto":
+    from onnx import TensorProto, helper
+
     return helper.make_tensor_value_info(NAME, TensorProto.INT64, [])
 
 
-def slice_nodes(hidden: str, kept: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+def slice_nodes(hidden: str, kept: str) -> tuple[list["onnx.NodeProto"], list["onnx.TensorProto"]]:
     """Nodes and constants for ``kept`` = hidden[:, -logits_to_keep:]; Slice clamps, so 0 (start -0)
     and k > T keep every position."""
+    from onnx import helper, numpy_helper
+
     one, end = f"{kept}/one", f"{kept}/end"  # [1] is both the axis and the shape of starts
     constants = [numpy_helper.from_array(np.array([1], np.int64), one), numpy_helper.from_array(np.array([_END], np.int64), end)]
     nodes = [
@@ -47,7 +56,7 @@ def slice_nodes(hidden: str, kept: str) -> tuple[list[onnx.NodeProto], list[onnx
     return nodes, constants
 
 
-def add_to_decode_graph(model: onnx.ModelProto, lm_head: str) -> None:
+def add_to_decode_graph(model: "onnx.ModelProto", lm_head: str) -> None:
     """Give a decode graph the input: slice the input of the MatMul that reads ``lm_head``."""
     graph = model.graph
     at, head = next(((i, n) for i, n in enumerate(graph.node) if n.op_type == "MatMul" and n.input[1] == lm_head),
