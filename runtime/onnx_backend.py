@@ -142,6 +142,7 @@ class OrtBackend:
         self.keeps_logits = LOGITS_TO_KEEP in {i.name for i in (*decode.get_inputs(), *decode.get_overridable_initializers())}
         # As OrtValues: bind_cpu_input looks the name up among the required inputs only and refuses it.
         self._keep = {flag: _ort().OrtValue.ortvalue_from_numpy(np.array(int(flag), np.int64)) for flag in (False, True)}
+        self._bound_keep: bool | None = None
         self._logits: np.ndarray | None = None
         self._bound_kv: tuple | None = None  # (cache buffer list, first row, rows) the decode binding points at
         self.prefill_calls = 0  # for tests and metrics: how often prefill ran (on either graph)
@@ -210,12 +211,11 @@ class OrtBackend:
         n, t = input_ids.shape
         b = self._binding
         bind_decode_inputs(b, cache, input_ids, first_row)
-        if self.keeps_logits:
-            # Bound every call: bindings persist, and a step that needs all positions feeds 0.
-            kept = 1 if last_only else t
+        kept = 1 if last_only and self.keeps_logits else t
+        if self.keeps_logits and self._bound_keep is not last_only:
+            # Bindings persist: a step after a last-only prefill must feed 0 (all positions) again.
             b.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[last_only])
-        else:
-            kept = t
+            self._bound_keep = last_only
         # Bindings persist between runs: rebind the 2 x layers KV buffers only when they changed.
         # Holding the bound list keeps its arrays alive, so no new cache can reuse their addresses.
         bound = self._bound_kv
