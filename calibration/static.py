@@ -60,7 +60,14 @@ def _calibrator(method: str, model_path: Path, tensors: set[str]):
     calibrator = Selected(str(model_path), ["MatMul"], str(augmented), use_external_data_format=True,
                           **_CALIBRATOR_OPTIONS[method])
     calibrator.augment_graph()
-    calibrator.create_inference_session()
+    # What create_inference_session opens (no optimization), without its C++ warnings on stderr
+    # (e.g. that decode's logits_to_keep is an initializer and an input, on purpose).
+    import onnxruntime as ort
+
+    from llmx.runtime.onnx_backend import session_options
+
+    calibrator.infer_session = ort.InferenceSession(str(augmented), session_options(optimization="none"),
+                                                    providers=calibrator.execution_providers)
     return calibrator
 
 

@@ -7,6 +7,7 @@ tracing; these modules have flat tensor inputs and outputs and the KV layout llm
              -> logits [B,1,V] (last valid position; or [B,S,V]), present k/v [B,Hkv,S,D]
     decode:  input_ids [B,T], attention_mask [B,L], position_ids [B,T], past k/v [B,Hkv,C,D]
              -> logits [B,T,V], present k/v [B,Hkv,C,D]
+             (the exported graph also takes logits_to_keep, added after tracing: llmx/logits_to_keep.py)
 
 In decode the cache is a fixed-capacity buffer C; the T new keys/values are scattered into
 slots ``position_ids`` (a sequence's token at position p lives in slot p) and attention reads

@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from llmx.export.modules import Decoder, DecodeGraph, PrefillGraph
+from llmx.logits_to_keep import add_to_decode_graph
 from llmx.onnx_files import load_graph, save_graphs
+from llmx.weight_names import graph_name, model_weights
 
 OPSET = 20
 
@@ -105,6 +107,9 @@ def export_decoder(model: Decoder, out_dir: Path, all_logits: bool = False) -> d
         graphs = {name: load_graph(tmp / f"{name}.onnx") for name in ("prefill", "decode")}
         for graph in graphs.values():
             _strip_metadata(graph)
+        # An ONNX post-pass, not a torch input: slicing by a traced scalar is data-dependent
+        # shape that the dynamo exporter refuses.
+        add_to_decode_graph(graphs["decode"], graph_name(model_weights(spec)["lm_head"]))
         save_graphs(graphs, out_dir, sources={name: tmp for name in graphs})
     return graphs
 

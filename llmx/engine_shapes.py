@@ -104,6 +104,8 @@ def graph_profile(name: str, graph: GraphSpec, ranges: dict[str, tuple[int, int,
     """Every input of ``graph`` with its dynamic axes replaced by ``ranges``."""
     shapes = {}
     for tensor in graph.inputs:
+        if not tensor.shape:
+            continue  # a scalar with a default (decode's logits_to_keep): nothing to range, and TensorRT folds it
         triple: list[list[int]] = [[], [], []]
         for dim in tensor.shape:
             if isinstance(dim, int):

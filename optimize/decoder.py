@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmx import logits_to_keep
 from llmx.errors import ArtifactError
 from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold, rope_table
 from llmx.spec import ModelSpec
@@ -104,6 +105,8 @@ def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all
     _, h = _norm(ctx, x, residual, names, "norm", names["lm_head"], pending_bias)
     if kind == "prefill" and not all_logits:
         h = _last_position(g, h, spec.hidden_size)
+    if io.input(logits_to_keep.NAME) is not None:
+        h = _kept_positions(g, h)
     logits = g.fresh("raw_logits") if spec.final_softcap else "logits"
     head = g.fresh("head") if spec.lm_head_bias else logits
     g.op("MatMul", [h, g.weight(w.get(names["lm_head"]))], [head])
@@ -341,6 +344,16 @@ def _parallel_mlp(ctx: Context, names: dict[str, str], residual: str, h: str, at
 def _mlp_input(names: dict[str, str]) -> str:
     """The weight of the MatMul the MLP's norm feeds (anchors a norm weight the exporter renamed)."""
     return names["up"] if "up" in names else names["router"]
+
+
+def _kept_positions(g: GraphBuilder, h: str) -> str:
+    """The last ``logits_to_keep`` positions of h (0: all), with the input's default as in the exported graph."""
+    kept = g.fresh("kept")
+    nodes, constants = logits_to_keep.slice_nodes(h, kept)
+    for tensor in (logits_to_keep.default_value(), *constants):
+        g.weight(tensor)
+    g.nodes.extend(nodes)
+    return kept
 
 
 def _last_position(g: GraphBuilder, h: str, hidden: int) -> str:

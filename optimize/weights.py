@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from llmx import logits_to_keep
 from llmx.errors import ArtifactError
 from llmx.onnx_files import load_graph
 
@@ -56,6 +57,8 @@ class SourceWeights:
         if name in self.tensors:
             return self.tensors[name]
         node = self.producer.get(self._matmul_of(matmul_weight).input[0])
+        if node is not None and node.output[0] == logits_to_keep.HIDDEN:  # decode's LM head reads the final norm through it
+            node = self.producer.get(node.input[0])
         found = None
         if node is not None and node.op_type == "LayerNormalization" and len(node.input) > 1 + index:
             found = node.input[1 + index]

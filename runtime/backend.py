@@ -42,5 +42,6 @@ class Backend(Protocol):
     def prefill(self, cache: Cache, rows: list[int], prompts: list[list[int]], padding: str = "right") -> np.ndarray:
         """Run whole prompts; their keys/values land in ``rows``; last-position logits [n, V]."""
 
-    def decode(self, cache: Cache, input_ids: np.ndarray) -> np.ndarray:
-        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
+    def decode(self, cache: Cache, input_ids: np.ndarray, last_only: bool = False) -> np.ndarray:
+        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]. ``last_only``: the
+        caller reads position -1 only, so a backend may return [n, 1, V] (the decode graph's logits_to_keep)."""

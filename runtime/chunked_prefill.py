@@ -46,7 +46,7 @@ class ChunkedPrefill:
         if self.done == 0:
             logits = self.backend.prefill(self.cache, [0], [ids])[0]
         else:
-            logits = self.backend.decode(self.cache, np.asarray([ids], dtype=np.int64))[0, -1]
+            logits = self.backend.decode(self.cache, np.asarray([ids], dtype=np.int64), last_only=True)[0, -1]
         self.done += len(ids)
         if self.finished:
             self.logits = logits.copy()  # the backend reuses its logits buffer

@@ -15,6 +15,7 @@ import numpy as np
 
 from llmx.artifact_paths import artifact_file
 from llmx.errors import ArtifactError, InputError, LlmxError, require
+from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.manifest import Manifest
 from llmx.runtime.cpu_plan import physical_cores, plan_threads
 from llmx.runtime.kv_cache import KVCache
@@ -120,8 +121,8 @@ class OrtBackend:
         # One prepacked copy of the weights, not two: a single prompt is prefilled by the decode
         # graph (it takes T new tokens after an empty past), so the prefill graph, whose session
         # packs its own copy of every weight, loads only when a batch of prompts needs it.
-        # That costs TTFT (the decode graph's LM head runs on every prompt position): LLMX_PREFILL_SESSION=eager
-        # trades the memory back for it.
+        # logits_to_keep=1 keeps its LM head to the last position (graphs that declare it; older
+        # ones pay it on every prompt position); LLMX_PREFILL_SESSION=eager trades the memory back.
         # An int8 KV cache is the exception: the decode graph would attend over the prompt's own
         # quantized keys/values, where the prefill graph uses them unrounded.
         if lazy_prefill is None:
@@ -136,6 +137,12 @@ class OrtBackend:
         self.vocab_size = manifest.model.vocab_size
         self.past_names, self.present_names = kv.past_names(), kv.present_names()
         self._binding = self.sessions["decode"].io_binding()
+        # Artifacts exported before the decode graph took logits_to_keep compute every position's logits.
+        decode = self.sessions["decode"]
+        self.keeps_logits = LOGITS_TO_KEEP in {i.name for i in (*decode.get_inputs(), *decode.get_overridable_initializers())}
+        # As OrtValues: bind_cpu_input looks the name up among the required inputs only and refuses it.
+        self._keep = {flag: _ort().OrtValue.ortvalue_from_numpy(np.array(int(flag), np.int64)) for flag in (False, True)}
+        self._bound_keep: bool | None = None
         self._logits: np.ndarray | None = None
         self._bound_kv: tuple | None = None  # (cache buffer list, first row, rows) the decode binding points at
         self.prefill_calls = 0  # for tests and metrics: how often prefill ran (on either graph)
@@ -171,7 +178,7 @@ class OrtBackend:
             if not prompts[0]:
                 raise InputError("a prompt must have at least one token")
             cache.lengths[rows[0]] = 0
-            return self._decode(cache, np.asarray(prompts, dtype=np.int64), rows[0])[:, -1]
+            return self._decode(cache, np.asarray(prompts, dtype=np.int64), rows[0], last_only=True)[:, -1]
         if "prefill" not in self.sessions:
             self.sessions["prefill"] = self._load("prefill")
         ids, mask, positions, lengths = prompt_inputs(prompts, padding)
@@ -189,20 +196,26 @@ class OrtBackend:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode(self, cache: KVCache, input_ids: np.ndarray) -> np.ndarray:
-        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
+    def decode(self, cache: KVCache, input_ids: np.ndarray, last_only: bool = False) -> np.ndarray:
+        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V] ([n, 1, V] with
+        ``last_only`` where the decode graph takes ``logits_to_keep``)."""
         if self._mapped is not None:
             self._mapped.check()
         n, t = input_ids.shape
         if n > 1 and t > 1 and self.manifest.graphs["decode"].ops == "onnxruntime":
             # GroupQueryAttention takes several new tokens per call only for a batch of one.
-            return np.stack([self._decode(cache, input_ids[r : r + 1], r)[0].copy() for r in range(n)])
-        return self._decode(cache, input_ids, 0)
+            return np.stack([self._decode(cache, input_ids[r : r + 1], r, last_only)[0].copy() for r in range(n)])
+        return self._decode(cache, input_ids, 0, last_only)
 
-    def _decode(self, cache: KVCache, input_ids: np.ndarray, first_row: int) -> np.ndarray:
+    def _decode(self, cache: KVCache, input_ids: np.ndarray, first_row: int, last_only: bool = False) -> np.ndarray:
         n, t = input_ids.shape
         b = self._binding
         bind_decode_inputs(b, cache, input_ids, first_row)
+        kept = 1 if last_only and self.keeps_logits else t
+        if self.keeps_logits and self._bound_keep is not last_only:
+            # Bindings persist: a step after a last-only prefill must feed 0 (all positions) again.
+            b.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[last_only])
+            self._bound_keep = last_only
         # Bindings persist between runs: rebind the 2 x layers KV buffers only when they changed.
         # Holding the bound list keeps its arrays alive, so no new cache can reuse their addresses.
         bound = self._bound_kv
@@ -213,8 +226,8 @@ class OrtBackend:
                 b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
                 b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
             self._bound_kv = (cache.buffers, first_row, n)
-        if self._logits is None or self._logits.shape != (n, t, self.vocab_size):
-            self._logits = np.empty((n, t, self.vocab_size), np.float32)
+        if self._logits is None or self._logits.shape != (n, kept, self.vocab_size):
+            self._logits = np.empty((n, kept, self.vocab_size), np.float32)
             b.bind_output("logits", "cpu", 0, np.float32, self._logits.shape, self._logits.ctypes.data)
         self.sessions["decode"].run_with_iobinding(b)
         cache.lengths[first_row : first_row + n] += t

@@ -165,8 +165,9 @@ class OrtDeviceBackend:
             return logits[np.arange(b), picks]
         return logits[:, 0]
 
-    def decode(self, cache: DeviceKVCache, input_ids: np.ndarray) -> np.ndarray:
-        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
+    def decode(self, cache: DeviceKVCache, input_ids: np.ndarray, last_only: bool = False) -> np.ndarray:
+        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V] (also with ``last_only``:
+        logits_to_keep is left at its default, all positions, so the bound shapes stay as captured)."""
         if self.cuda_graph:
             return self.cuda_graph.step(cache, input_ids, (self.past_names, self.present_names))
         n, t = input_ids.shape

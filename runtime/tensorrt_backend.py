@@ -168,8 +168,9 @@ class TensorRTBackend:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def decode(self, cache: DeviceKVCache, input_ids: np.ndarray) -> np.ndarray:
-        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V]."""
+    def decode(self, cache: DeviceKVCache, input_ids: np.ndarray, last_only: bool = False) -> np.ndarray:
+        """Append ``input_ids`` [n, T] to rows 0..n-1 of ``cache``; logits [n, T, V] (also with ``last_only``:
+        logits_to_keep is left at its default, all positions, so the bound shapes stay as captured)."""
         n, t = input_ids.shape
         lengths = cache.lengths[:n]
         total = int(lengths.max()) + t

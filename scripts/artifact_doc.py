@@ -81,6 +81,15 @@ typed sections) is migrated on load: `extras.tensorrt` becomes `tensorrt`, an en
 level `llmx optimize` left in its lineage entry moves to each graph's `ort_optimization`. Any
 other version is refused with one error line.
 
+**Decode's `logits_to_keep`.** Decode graphs written by this llmx (export and optimize) take an
+optional int64 scalar input `logits_to_keep`, with an initializer of the same name (value 0) as
+its default: 0 computes logits for every new position, k > 0 for the last min(k, T) only, as in
+transformers; `logits` is then [batch, kept_tokens, vocab]. The LM head (and final soft-cap) runs
+on the kept positions only: a prompt prefilled on the decode graph (one prompt, or a chunk of a
+long one) feeds 1 and skips about a fifth of SmolLM-135M's prefill work and a [1, T, vocab] buffer.
+A caller that does not feed it gets every position; artifacts whose decode graph lacks it load
+and run as before (the ONNX Runtime CPU backend feeds it only where the graph declares it).
+
 Unknown keys are ignored (a newer writer's additions), except in `lineage[]` entries, which keep
 them as the stage's details. `extras` holds free-form reports for people: `quality`
 (calibrate's measurements), `verify` (export --verify), `calibration` (calibrate's TensorRT
@@ -123,7 +132,7 @@ MEANINGS = {
     (EngineFile, "bytes"): "size of the engine file",
     (ProfileSpec, "name"): "prefill or decode",
     (ProfileSpec, "shapes"): "input name -> [min, opt, max] shapes",
-    (TensorSpec, "name"): "input_ids, attention_mask, position_ids, past_key_values.{i}.key/value, logits, present.{i}.key/value",
+    (TensorSpec, "name"): "input_ids, attention_mask, position_ids, past_key_values.{i}.key/value, logits_to_keep (decode, optional), logits, present.{i}.key/value",
     (GraphSpec, "file"): "the .onnx file",
     (GraphSpec, "inputs"): "in the graph's order",
     (GraphSpec, "outputs"): "in the graph's order (logits first)",

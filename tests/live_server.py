@@ -57,11 +57,11 @@ class SlowBackend:
     def __getattr__(self, name):
         return getattr(self.backend, name)
 
-    def decode(self, cache, input_ids):
+    def decode(self, cache, input_ids, last_only=False):
         import time
 
         time.sleep(self.delay)
-        return self.backend.decode(cache, input_ids)
+        return self.backend.decode(cache, input_ids, last_only)
 
 
 def slow_engine(artifact, delay: float):

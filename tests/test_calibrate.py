@@ -71,6 +71,18 @@ def test_scheme_runs_end_to_end_and_generates(name, quantized, store):
     assert len(seq.output_ids) == 8 and seq.finish_reason == "length"
 
 
+@pytest.mark.parametrize("name", ["w8a8-percentile-per-tensor", "w4"])
+def test_quantized_decode_graph_keeps_logits_to_keep(name, quantized):
+    """Quantization keeps the input and its default (llmx/logits_to_keep.py): not fed, every position."""
+    from test_logits_to_keep import PROMPT, run_decode
+
+    artifact = quantized(name)
+    assert load_manifest(artifact).graphs["decode"].input("logits_to_keep").shape == []
+    every = run_decode(artifact, PROMPT, None)
+    assert every.shape[1] == len(PROMPT)
+    np.testing.assert_allclose(run_decode(artifact, PROMPT, 1), every[:, -1:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_report_numbers_are_computed_and_saved(name, quantized, store):
     art = quantized(name)

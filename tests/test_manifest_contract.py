@@ -77,7 +77,7 @@ def test_a_manifest_round_trips_through_its_json(llama_artifact):
     (lambda d: d["kv"].update(num_layers=3), "kv.num_layers 3 disagrees with model.num_layers 2"),
     (lambda d: d["graphs"].pop("decode"), "graphs of a decoder must include decode"),
     (lambda d: d["graphs"]["decode"].update(file="../../etc/passwd"), "graphs.decode.file must stay inside the artifact"),
-    (lambda d: d["graphs"]["decode"]["inputs"].append([]), "graphs.decode.inputs[7] must be an object, got []"),
+    (lambda d: d["graphs"]["decode"]["inputs"].insert(0, []), "graphs.decode.inputs[0] must be an object, got []"),
     (lambda d: d["tokenizer"].update(chat_template="../../../../etc/hostname"), "tokenizer.chat_template must stay inside"),
     (lambda d: d["tokenizer"].update(file="/etc/passwd"), 'tokenizer.file must be a relative path inside the artifact, got "/etc/passwd"'),
     (lambda d: d["tokenizer"].update(eos_token_ids=[320]), "tokenizer.eos_token_ids[0] must be a token id below model.vocab_size 320"),

@@ -35,9 +35,9 @@ class CountingBackend:
         self.prefill_tokens += sum(len(p) for p in prompts)
         return self.backend.prefill(cache, rows, prompts, padding)
 
-    def decode(self, cache, input_ids):
+    def decode(self, cache, input_ids, last_only=False):
         self.decode_tokens += input_ids.size
-        return self.backend.decode(cache, input_ids)
+        return self.backend.decode(cache, input_ids, last_only)
 
 
 @pytest.fixture(scope="module")

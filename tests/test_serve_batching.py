@@ -186,17 +186,17 @@ def test_engine_errors_fail_the_requests_they_hit_and_the_server_goes_on(engine)
         def __getattr__(self, name):
             return getattr(self.backend, name)
 
-        def call(self, name, *args):
+        def call(self, name, *args, **kwargs):
             if self.fail == name:
                 self.fail = None
                 raise RuntimeError(f"device lost in {name}")
-            return getattr(self.backend, name)(*args)
+            return getattr(self.backend, name)(*args, **kwargs)
 
-        def decode(self, *args):
-            return self.call("decode", *args)
+        def decode(self, *args, **kwargs):
+            return self.call("decode", *args, **kwargs)
 
-        def prefill(self, *args):
-            return self.call("prefill", *args)
+        def prefill(self, *args, **kwargs):
+            return self.call("prefill", *args, **kwargs)
 
     flaky = Engine(engine.artifact, engine.manifest, Flaky(engine.backend), engine.tokenizer)
     with running(Scheduler(lambda: flaky, max_batch=2)) as scheduler:
