@@ -202,11 +202,10 @@ def measure(workers: list[Worker], args, log) -> dict[str, dict]:
     return results
 
 
-def write_prompts(path: Path, prompt_len: int, contexts: list[int]) -> Path:
+def write_prompts(path: Path, prompt_len: int, contexts: list[int], vocab: int = SMOLLM_135M["vocab_size"]) -> Path:
     """The prompt ids every engine gets: the ones ``llmx bench`` makes (llmx.runtime.bench.prompt_ids)."""
     from llmx.runtime.bench import prompt_ids
 
-    vocab = SMOLLM_135M["vocab_size"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"prompt": prompt_ids(prompt_len, vocab),
                                 "context_prompts": {str(c): prompt_ids(c, vocab) for c in contexts}}))

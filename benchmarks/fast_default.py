@@ -177,7 +177,7 @@ def main() -> None:
     if args.build_only:
         log(f"built {', '.join(paths)} under {work}")
         return
-    prompt_file = write_prompts(work / "prompts.json", args.prompt_len, [])
+    prompt_file = write_prompts(work / "prompts.json", args.prompt_len, [], SHAPES[args.shape]["vocab_size"])
     report = {"shape": args.shape, "model": {k: SHAPES[args.shape][k] for k in ("hidden_size", "num_hidden_layers",
                                                                                  "intermediate_size", "vocab_size")},
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": 1, "rounds": args.rounds,
@@ -199,16 +199,21 @@ def main() -> None:
             if neighbour is not None:
                 neighbour.kill()
                 neighbour.wait()
-    plot(report, stem.with_suffix(".png"))
+    plot(report, _named(stem, ".png"))
     print(text)
     log(f"wrote {stem}.{{json,md,png}}")
+
+
+def _named(stem: Path, suffix: str) -> Path:
+    # Not stem.with_suffix: "tinyllama-1.1b_<date>" would lose everything after "1." as a suffix.
+    return stem.with_name(stem.name + suffix)
 
 
 def write(report: dict, stem: Path, started: float) -> str:
     report["wall_s"] = round(time.time() - started)
     text = f"Measured {report['date']}, {report['wall_s']} s, `{report['command']}`\n\n" + markdown(report)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    stem.with_suffix(".md").write_text(text)
+    _named(stem, ".json").write_text(json.dumps(report, indent=1))
+    _named(stem, ".md").write_text(text)
     return text
 
 if __name__ == "__main__":
