@@ -105,9 +105,7 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.ids[self.prefix_offset :])
+        prefix, full = self._window()
         if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full[len(prefix) :]
@@ -115,8 +113,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Whatever is still held back at the end (an incomplete character decodes as U+FFFD)."""
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=self.skip_special_tokens)
-        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
-        full = decode(self.ids[self.prefix_offset :])
+        prefix, full = self._window()
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+    def _window(self) -> tuple[str, str]:
+        """The text of the window up to the read offset, and of the whole window."""
+        start, skip = self.prefix_offset, self.skip_special_tokens
+        return (self.tokenizer.decode(self.ids[start : self.read_offset], skip_special_tokens=skip),
+                self.tokenizer.decode(self.ids[start:], skip_special_tokens=skip))

@@ -102,9 +102,7 @@ def structured_outputs(value, name) -> ConstraintSpec:
     (key, arg), = value.items()
     field = f"{name}.{key}"
     if key == "json":
-        if isinstance(arg, str):
-            return ConstraintSpec.json_schema(arg)
-        if not isinstance(arg, dict):
+        if not isinstance(arg, (str, dict)):  # a schema object, or its JSON text
             raise invalid_field(field, STRUCTURED[key], arg)
         return ConstraintSpec.json_schema(arg)
     if key == "choice":
@@ -272,6 +270,16 @@ def chat_messages(value: Any) -> list[dict]:
     return messages
 
 
+def rendered_chat(tokenizer, messages: list[dict], limit: int, **template_vars) -> str:
+    """Checked ``messages`` through the model's chat template: a 400 when the template refuses
+    them or the text cannot fit ``limit`` tokens."""
+    try:
+        rendered = render_chat(tokenizer, messages, **template_vars)
+    except InputError as exc:
+        raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+    return check_chars(rendered, tokenizer, limit, "messages")
+
+
 def message_text(content: Any, name: str) -> str:
     parts = content if isinstance(content, list) else None
     if parts is not None and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
@@ -307,11 +315,8 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
             raise bad_request("'messages' is required", param="messages")
         messages = chat_messages(f["messages"])
         tools = tool_request(f, tool_format or detect_format(engine.tokenizer.chat_template))
-        try:
-            rendered = render_chat(engine.tokenizer, messages, **({"tools": tools.template_tools()} if tools else {}))
-        except InputError as exc:
-            raise bad_request(str(exc), param="messages", code="chat_template_error") from None
-        check_chars(rendered, engine.tokenizer, engine.max_seq_len, "messages")
+        rendered = rendered_chat(engine.tokenizer, messages, engine.max_seq_len,
+                                 **({"tools": tools.template_tools()} if tools else {}))
         prompts = [engine.tokenizer.encode(rendered, add_special_tokens=False)]
         logprobs = (f["top_logprobs"] or 0) if f["logprobs"] else None
         max_tokens = f["max_completion_tokens"] or f["max_tokens"]

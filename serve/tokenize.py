@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmx.errors import InputError
-from llmx.runtime.chat import render_chat
 from llmx.serve.errors import bad_request
-from llmx.serve.protocol import Checker, boolean, chat_messages, check_chars, check_fields, invalid_field, parse_body, string
+from llmx.serve.protocol import (Checker, boolean, chat_messages, check_chars, check_fields, invalid_field, parse_body,
+                                 rendered_chat, string)
 from llmx.runtime.params import text
 
 TOKENIZE: dict[str, tuple[Checker, Any]] = {
@@ -38,11 +37,8 @@ def tokenize(raw: bytes, engine) -> dict:
         special = True if f["add_special_tokens"] is None else f["add_special_tokens"]
         ids = tok.encode(check_chars(text(f["prompt"], "prompt"), tok, limit, "prompt"), add_special_tokens=special)
     else:
-        try:
-            rendered = render_chat(tok, chat_messages(f["messages"]), add_generation_prompt=f["add_generation_prompt"])
-        except InputError as exc:
-            raise bad_request(str(exc), param="messages", code="chat_template_error") from None
-        ids = tok.encode(check_chars(rendered, tok, limit, "messages"), add_special_tokens=bool(f["add_special_tokens"]))
+        rendered = rendered_chat(tok, chat_messages(f["messages"]), limit, add_generation_prompt=f["add_generation_prompt"])
+        ids = tok.encode(rendered, add_special_tokens=bool(f["add_special_tokens"]))
     strs = [tok.token_text(i) for i in ids] if f["return_token_strs"] else None
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
 

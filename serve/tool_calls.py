@@ -182,7 +182,6 @@ class ToolCallParser:
         self.done = 0  # characters of the region already turned into calls
         self.calls: list[Call] = []
         self.plain = False  # the reply is content to the end (a failed call, or no call at its start)
-        self._started = False  # any non-space text seen yet (for formats whose calls open the reply)
 
     def feed(self, delta: str) -> list[Event]:
         if self.plain:

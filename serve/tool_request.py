@@ -236,7 +236,8 @@ def assistant_calls(value: Any, where: str) -> list[dict]:
 
 
 def tool_result(m: dict, where: str, names: dict[str, str]) -> dict:
-    """A role "tool" message: its tool_call_id must name a call made earlier in the conversation."""
+    """A role "tool" message: its tool_call_id is required; where it names a call made earlier in the
+    conversation, the result also carries that function's name."""
     call_id = m.get("tool_call_id")
     if not isinstance(call_id, str):
         raise bad_request(f"'{where}.tool_call_id' is required on a tool message", param=f"{where}.tool_call_id")

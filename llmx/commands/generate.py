@@ -105,16 +105,14 @@ def _read_text(path: str, flag: str) -> str:
         raise InputError(f"{flag}: cannot read {path}: {exc}") from None
 
 
-def _logit_bias(pairs: tuple[str, ...]) -> dict[str, str]:
+def _logit_bias(pairs: tuple[str, ...]) -> dict[str, float]:
     out = {}
     for pair in pairs:
-        tid, sep, bias = pair.partition("=")
+        tid, _, bias = pair.partition("=")  # no "=": bias is "", which float() refuses too
         try:
             out[tid.strip()] = float(bias)
         except ValueError:
-            sep = ""
-        if not sep:
-            raise InputError(f"--logit-bias must be ID=BIAS (a token id and a number), got {pair!r}")
+            raise InputError(f"--logit-bias must be ID=BIAS (a token id and a number), got {pair!r}") from None
     return out
 
 
