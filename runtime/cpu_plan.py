@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from llmx.errors import InputError
+
 SAMPLE_S = 0.2  # long enough for a few scheduler ticks (10 ms each at HZ=100), short next to loading
 FREE_MARGIN = 0.25
 
@@ -95,6 +97,12 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _env_threads(value: str) -> int:
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise InputError(f"LLMX_THREADS must be a whole number of threads, at least 1, got {value!r}")
+    return int(value)
+
+
 def plan_threads(threads: int | None = None, spin: bool | None = None, cpus: set[int] | None = None,
                  idle: dict[int, float] | None = None, physical: int | None = None,
                  env: dict[str, str] | None = None) -> CpuPlan:
@@ -104,8 +112,10 @@ def plan_threads(threads: int | None = None, spin: bool | None = None, cpus: set
     usable = max(1, min(len(cpus), physical or physical_cores()))
     source = "--threads"
     if threads is None and env.get("LLMX_THREADS"):
-        threads, source = int(env["LLMX_THREADS"]), "LLMX_THREADS"
-    if spin is None and env.get("LLMX_SPIN") in ("0", "1"):
+        threads, source = _env_threads(env["LLMX_THREADS"]), "LLMX_THREADS"
+    if spin is None and env.get("LLMX_SPIN"):
+        if env["LLMX_SPIN"] not in ("0", "1"):
+            raise InputError(f"LLMX_SPIN must be 0 or 1, got {env['LLMX_SPIN']!r}")
         spin = env["LLMX_SPIN"] == "1"
     if idle is None and (threads is None or spin is None):
         idle = sample_idle(cpus)

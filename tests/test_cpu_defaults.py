@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from llmx.errors import InputError
 from llmx.manifest import load_manifest
 from llmx.runtime import cpu_plan
 from llmx.runtime.cpu_plan import cpu_times, idle_per_cpu, plan_threads, sample_idle
@@ -57,6 +58,17 @@ def test_explicit_choices_win_and_an_oversubscribed_pool_does_not_spin():
     plan = plan_threads(cpus={0, 1}, idle=quiet, physical=2, env=env)
     assert (plan.threads, plan.spin, plan.source) == (1, True, "LLMX_THREADS")
     assert plan_threads(3, cpus={0, 1}, idle=quiet, physical=2, env=env).threads == 3  # the flag beats the env
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"LLMX_THREADS": "abc"}, "LLMX_THREADS must be a whole number of threads, at least 1, got 'abc'"),
+    ({"LLMX_THREADS": "0"}, "LLMX_THREADS must be a whole number of threads, at least 1, got '0'"),
+    ({"LLMX_SPIN": "true"}, "LLMX_SPIN must be 0 or 1, got 'true'"),
+])
+def test_a_bad_environment_value_is_one_clear_error(env, words):
+    with pytest.raises(InputError) as caught:
+        plan_threads(cpus={0, 1}, idle={0: 1.0, 1: 1.0}, physical=2, env=env)
+    assert str(caught.value) == words
 
 
 def test_affinity_and_physical_cores_bound_the_threads():
