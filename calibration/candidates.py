@@ -1,11 +1,12 @@
 """The configurations the search tries, and how each becomes a quantized graph to score.
 
 A ``Candidate`` is one recipe: the activation-range method and SmoothQuant alpha (w8a8) or
-AWQ on/off and the block size (w8/w4), plus the MatMuls (by weight name) kept in higher precision: fp32 under
-w8a8, accuracy level 0 under w8, 8-bit weights under w4. Builders turn a candidate into the
-searched graph only (decode, or an encoder's embed), reusing the activation statistics and
-caching each smoothed graph and range set, so trying a candidate costs one quantization
-and one scoring pass, never another fp32 calibration run for minmax ranges.
+AWQ on/off and the block size (w8/w4), plus the MatMuls (by weight name) kept in higher
+precision: fp32 under w8a8, accuracy level 0 under w8, 8-bit weights under w4. Builders turn
+a candidate into the searched graph only (decode, or an encoder's embed), reusing the
+activation statistics and caching each smoothed graph and range set, so trying a candidate
+costs one quantization and one scoring pass, never another fp32 calibration run for minmax
+ranges.
 """
 
 from __future__ import annotations

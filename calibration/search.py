@@ -87,8 +87,8 @@ class Search:
         quality, size = self.score(candidate)
         row = {"stage": stage, "label": candidate.label(), "method": candidate.method, "smoothquant": candidate.alpha,
                "awq": candidate.awq, "block_size": candidate.block_size, "fallback": list(candidate.fallback),
-               **quality, "graph_bytes": size,
-               "meets": meets(quality, self.target), "seconds": round(time.perf_counter() - start, 2)}
+               **quality, "graph_bytes": size, "meets": meets(quality, self.target),
+               "seconds": round(time.perf_counter() - start, 2)}
         self.rows.append(row)
         self.log(format_row(row))
         return row
@@ -139,7 +139,7 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats, held_out: list[li
         recipes += [search.attempt(c, "recipe") for c in tier]
     sensitivity = {}
     if not any(r["meets"] for r in recipes) and space.fallback:
-        base = replace(candidate_of(min(recipes, key=judge.error)), fallback=())
+        base = candidate_of(min(recipes, key=judge.error))
         log(f"search: no recipe meets the target; measuring each MatMul's sensitivity on {base.label()}")
         sensitivity = search.sensitivity(base)
         search.fewest_fallbacks(base, by_sensitivity(builder.weights(), sensitivity))
