@@ -42,8 +42,10 @@ SHAPE_PRECISIONS = {"smollm-135m": "fp32,w8,w4", "tinyllama-1.1b": "fp32,w4"}
 # A 1.1B model's calibration report (perplexity before/after) on two windows keeps the build in minutes,
 # and plain round-to-nearest w4 like genai's builder: random weights cannot meet a perplexity target,
 # so the search would try every recipe (minutes each at 1.1B) for a speed benchmark that needs none.
+# Block 128 is what the search builds first when the target holds (--no-search alone would build 32),
+# fixed here because random weights make the 1.1B search pointless.
 SHAPE_CALIBRATE = {"smollm-135m": (), "tinyllama-1.1b": ("--samples", "2", "--eval-samples", "2", "--seq-len", "128",
-                                                         "--no-search", "--no-awq")}
+                                                         "--no-search", "--no-awq", "--block-size", "128")}
 
 
 def engines_for(precision: str) -> dict[str, tuple]:

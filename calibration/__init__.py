@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +30,7 @@ from llmx.errors import ArtifactError, InputError
 from llmx.manifest import Manifest, Precision, load_manifest
 
 SCHEMES = ("w8a8", "w8", "w4")
+UNSEARCHED_BLOCK_SIZE = 32  # no quality gate without the search: the known-safe size (genai's default too)
 KV_CACHE_DTYPES = ("float32", "int8")
 
 
@@ -39,7 +40,7 @@ class CalibrationOptions:
     method: str = "percentile"  # w8a8: how activation ranges are chosen (best of the three on real text)
     smoothquant: float | None = None  # w8a8: SmoothQuant alpha (None: off)
     per_channel: bool = True  # w8a8: weight scales per output channel (else per tensor)
-    block_size: int = 32  # w8/w4: input channels per scale
+    block_size: int | None = None  # w8/w4: input channels per scale; None: searched, else UNSEARCHED_BLOCK_SIZE
     symmetric: bool = True  # w8/w4: no zero points
     samples: int = 32  # calibration windows
     seq_len: int = 256  # tokens per window
@@ -70,7 +71,7 @@ class CalibrationOptions:
             raise InputError("--awq applies to weight-only schemes (w8, w4); w8a8 has SmoothQuant")
         if self.smoothquant is not None and self.scheme != "w8a8":
             raise InputError("--smoothquant applies to w8a8 only (weight-only schemes leave activations in fp32)")
-        if self.scheme != "w8a8":
+        if self.scheme != "w8a8" and self.block_size is not None:
             from llmx.calibration.weight_only import check_block_size
 
             check_block_size(self.block_size)
@@ -105,6 +106,8 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
     from llmx.calibration.search import format_search
 
     options.validate()
+    if options.block_size is None and (options.search is None or options.scheme is None):
+        options = replace(options, block_size=UNSEARCHED_BLOCK_SIZE)
     src = Path(src)
     manifest = load_manifest(src)
     check_unquantized(src, manifest)
@@ -156,7 +159,10 @@ def search_recipe(src: Path, manifest: Manifest, split, options: CalibrationOpti
     if options.scheme == "w8a8" or (options.scheme == "w4" and True in options.search.awq):  # else unused
         with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
             stats = collect_stats(paths, feeds, bar.update, options.threads)
-    chosen, record = run_search(paths, manifest, feeds, stats, split.evaluation, options, options.search, work, log)
+    space = options.search
+    if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
+        space = replace(space, block_sizes=(options.block_size,))
+    chosen, record = run_search(paths, manifest, feeds, stats, split.evaluation, options, space, work, log)
     if not record["met"]:
         best = record["candidates"][record["chosen"]]
         message = (f"no configuration meets the target ({record['measure']}); the best found, {best['label']}, "

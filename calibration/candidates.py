@@ -1,11 +1,12 @@
 """The configurations the search tries, and how each becomes a quantized graph to score.
 
 A ``Candidate`` is one recipe: the activation-range method and SmoothQuant alpha (w8a8) or
-AWQ on/off (w8/w4), plus the MatMuls (by weight name) kept in higher precision: fp32 under
-w8a8, accuracy level 0 under w8, 8-bit weights under w4. Builders turn a candidate into the
-searched graph only (decode, or an encoder's embed), reusing the activation statistics and
-caching each smoothed graph and range set, so trying a candidate costs one quantization
-and one scoring pass, never another fp32 calibration run for minmax ranges.
+AWQ on/off and the block size (w8/w4), plus the MatMuls (by weight name) kept in higher
+precision: fp32 under w8a8, accuracy level 0 under w8, 8-bit weights under w4. Builders turn
+a candidate into the searched graph only (decode, or an encoder's embed), reusing the
+activation statistics and caching each smoothed graph and range set, so trying a candidate
+costs one quantization and one scoring pass, never another fp32 calibration run for minmax
+ranges.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ class Candidate:
     alpha: float | None = None  # w8a8 SmoothQuant alpha
     awq: bool = False  # w8/w4
     fallback: tuple[str, ...] = ()  # weight names, most sensitive first
+    block_size: int | None = None  # w8/w4: input channels per scale
 
     def label(self) -> str:
         if self.method is not None:
             parts = [self.method, f"sq{self.alpha:g}" if self.alpha is not None else "no-sq"]
         else:
-            parts = ["awq" if self.awq else "rtn"]
+            parts = [f"{'awq' if self.awq else 'rtn'} b{self.block_size}"]
         return "+".join(parts + ([f"fallback {len(self.fallback)}"] if self.fallback else []))
 
 
@@ -126,29 +128,32 @@ class StaticBuilder:
 
 
 class WeightOnlyBuilder:
-    """w8/w4 MatMulNBits graphs of one graph, built in memory from its fp32 weights."""
+    """w8/w4 MatMulNBits graphs of one graph at each candidate's block size, built in memory from its
+    fp32 weights."""
 
-    def __init__(self, fp32: Path, graph: str, stats: ActivationStats | None, scheme: str, block_size: int,
-                 symmetric: bool):
+    def __init__(self, fp32: Path, graph: str, stats: ActivationStats | None, scheme: str, symmetric: bool):
         import onnx
 
-        self.graph, self.stats, self.scheme = graph, stats, scheme
-        self.block_size, self.symmetric = block_size, symmetric
-        self.models = {False: onnx.load_model(str(fp32))}
+        self.graph, self.stats, self.scheme, self.symmetric = graph, stats, scheme, symmetric
+        self.fp32 = onnx.load_model(str(fp32))
+        self._awq: dict[int, object] = {}  # AWQ scales are fitted to the blocks they round in
 
     def weights(self) -> list[str]:
-        return [mm.weight for mm in weight_matmuls(self.models[False])]
+        return [mm.weight for mm in weight_matmuls(self.fp32)]
 
-    def source(self, awq: bool):
-        if awq not in self.models:
+    def source(self, candidate: Candidate):
+        if not candidate.awq:
+            return self.fp32
+        block = candidate.block_size
+        if block not in self._awq:
             from llmx.calibration.awq import awq_scales
             from llmx.calibration.smoothquant import apply_smoothing
             from llmx.calibration.weight_only import BITS
 
-            model = _copy(self.models[False])
-            apply_smoothing(model, Path("."), awq_scales(model, Path("."), self.stats, self.block_size, BITS[self.scheme]))
-            self.models[awq] = model
-        return self.models[awq]
+            model = _copy(self.fp32)
+            apply_smoothing(model, Path("."), awq_scales(model, Path("."), self.stats, block, BITS[self.scheme]))
+            self._awq[block] = model
+        return self._awq[block]
 
     def only(self, candidate: Candidate, weight: str) -> tuple[object, int]:
         """The fp32 graph with only ``weight``'s MatMul quantized (sensitivity)."""
@@ -157,7 +162,7 @@ class WeightOnlyBuilder:
     def build(self, candidate: Candidate, skip: Collection[str] = ()) -> tuple[object, int]:
         from llmx.calibration.weight_only import quantize_weights
 
-        model = quantize_weights(_copy(self.source(candidate.awq)), self.scheme, self.block_size, self.symmetric,
+        model = quantize_weights(_copy(self.source(candidate)), self.scheme, candidate.block_size, self.symmetric,
                                  fallback=set(candidate.fallback), skip=set(skip))
         return model, graph_bytes(model)
 

@@ -410,6 +410,7 @@ def _bad_inputs(tmp: Path, text: Path) -> dict[str, tuple[list[str], str]]:
         "scheme": (["--data", str(text), "--scheme", "w3"], "scheme must be one of w8a8, w8, w4"),
         "method": (["--data", str(text), "--scheme", "w8a8", "--method", "kl"], "method must be one of"),
         "block": (["--data", str(text), "--scheme", "w4", "--block-size", "48"], "power of two"),
+        "block-word": (["--data", str(text), "--scheme", "w4", "--block-size", "big"], "power of two >= 16 or 'auto'"),
         "alpha": (["--data", str(text), "--scheme", "w8a8", "--smoothquant", "1.5"], "alpha must be in [0, 1]"),
         "sq-weight-only": (["--data", str(text), "--scheme", "w8", "--smoothquant", "0.5"], "w8a8 only"),
         "seq-len": (["--data", str(text), "--scheme", "w8", "--seq-len", "4096"], "maximum length"),
@@ -418,7 +419,7 @@ def _bad_inputs(tmp: Path, text: Path) -> dict[str, tuple[list[str], str]]:
 
 
 @pytest.mark.parametrize("case", ["empty", "tiny", "non-utf8", "non-utf8-in-folder", "jsonl", "missing", "scheme",
-                                  "method", "block", "alpha", "sq-weight-only", "seq-len", "eval-data"])
+                                  "method", "block", "block-word", "alpha", "sq-weight-only", "seq-len", "eval-data"])
 def test_bad_input_is_one_clear_error_and_nothing_written(case, store, calib_text, tmp_path, capsys):
     inputs = tmp_path / "inputs"
     inputs.mkdir()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -113,8 +114,8 @@ def test_unreachable_target_is_refused_with_the_best_found(store, calib_text, tm
     out_parent.mkdir()
     code, out, err = run([*args, "-o", str(out_parent / "a")], capsys)
     assert code == 1 and "no configuration meets the target (perplexity ratio <= 0.5)" in error_line(err)
-    assert "the best found, rtn, measures perplexity x" in error_line(err)
-    assert "recipe   rtn" in err and out == "" and leftovers(out_parent) == []
+    assert re.search(r"the best found, rtn b(128|32), measures perplexity x", error_line(err))
+    assert "recipe   rtn b128" in err and out == "" and leftovers(out_parent) == []
     code, out, err = run([*args, "-o", str(out_parent / "b"), "--force"], capsys)  # kept, and the report says so
     assert code == 0, err
     report = json.loads((out_parent / "b" / "quality.json").read_text())
@@ -151,6 +152,81 @@ def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
     assert "search" not in report and report["options"]["method"] == "percentile"
     code, _, err = run([*base, "--no-search", "-o", str(tmp_path / "d")], capsys)
     assert code == 2 and "--target needs the search" in error_line(err)
+
+
+def nbits_block_sizes(artifact: Path) -> set[int]:
+    """The block_size attribute of every MatMulNBits node in both graphs."""
+    sizes = set()
+    for graph in ("prefill", "decode"):
+        model = onnx.load_model(str(artifact / f"{graph}.onnx"), load_external_data=False)
+        sizes |= {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+                  if a.name == "block_size"}
+    return sizes
+
+
+def weight_only_args(store, calib_text, scheme: str) -> list[str]:
+    return ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--scheme", scheme, "--samples", "2",
+            "--seq-len", "32", "--eval-samples", "2", "--threads", "1", "--json"]
+
+
+def test_block_128_is_built_when_it_meets_the_target(store, calib_text, tmp_path, capsys):
+    """The faster block size comes first; when it holds the target, block 32 is never tried."""
+    code, out, err = run([*weight_only_args(store, calib_text, "w4"), "--target", "1.5", "-o", str(tmp_path / "q")],
+                         capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    search = report["search"]
+    assert [r["label"] for r in search["candidates"]] == ["rtn b128", "awq b128"]
+    assert search["candidates"][search["chosen"]]["block_size"] == 128 and search["met"]
+    assert report["options"]["block_size"] == 128 and report == json.loads((tmp_path / "q" / "quality.json").read_text())
+    assert load_manifest(tmp_path / "q").precision.block_size == 128
+    assert nbits_block_sizes(tmp_path / "q") == {128}
+
+
+def test_block_32_when_only_it_meets_the_target(store, calib_text, tmp_path, capsys):
+    """A target set between the two block sizes' measured ratios: the block-128 tier misses, so the
+    block-32 tier runs after it and is chosen."""
+    args = [*weight_only_args(store, calib_text, "w8"), "--no-fallback", "--force"]
+    code, out, err = run([*args, "--target", "0.5", "-o", str(tmp_path / "measure")], capsys)
+    assert code == 0, err
+    rows = json.loads(out)["search"]["candidates"]
+    assert [r["label"] for r in rows] == ["rtn b128", "rtn b32"]
+    coarse, fine = (r["perplexity_ratio"] for r in rows)
+    assert coarse > fine  # the premise: on this model the finer blocks are measurably closer to fp32
+    code, out, err = run([*args, "--target", repr((coarse + fine) / 2), "-o", str(tmp_path / "q")], capsys)
+    assert code == 0, err
+    search = json.loads(out)["search"]
+    assert [(r["label"], r["meets"]) for r in search["candidates"]] == [("rtn b128", False), ("rtn b32", True)]
+    assert search["chosen"] == 1 and search["met"]
+    assert load_manifest(tmp_path / "q").precision.block_size == 32 and nbits_block_sizes(tmp_path / "q") == {32}
+
+
+def test_block_size_flag_fixes_the_search_and_no_search_keeps_32(store, calib_text, tmp_path, capsys):
+    args = weight_only_args(store, calib_text, "w4")
+    code, out, err = run([*args, "--target", "1.5", "--block-size", "64", "-o", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    search = json.loads(out)["search"]
+    assert [r["label"] for r in search["candidates"]] == ["rtn b64", "awq b64"]
+    assert load_manifest(tmp_path / "a").precision.block_size == 64 and nbits_block_sizes(tmp_path / "a") == {64}
+    code, out, err = run([*args, "--no-search", "-o", str(tmp_path / "b")], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert "search" not in report and report["options"]["block_size"] == 32
+    assert load_manifest(tmp_path / "b").precision.block_size == 32 and nbits_block_sizes(tmp_path / "b") == {32}
+
+
+def test_pick_prefers_fewer_fallbacks_then_the_larger_block():
+    from llmx.calibration.search import pick
+
+    def row(block: int, fallback: int, kl: float, meets: bool = True) -> dict:
+        return {"block_size": block, "fallback": ["w"] * fallback, "mean_kl": kl, "meets": meets}
+
+    error = lambda r: r["mean_kl"]  # noqa: E731
+    rows = [row(128, 0, 0.02, meets=False), row(32, 0, 0.01), row(128, 1, 0.001), row(128, 0, 0.009, meets=False)]
+    assert pick(rows, error) is rows[1]  # no fallback beats a larger block that needs one
+    rows.append(row(128, 0, 0.015))
+    assert pick(rows, error) is rows[-1]  # same fallbacks: the larger block, though its error is higher
+    assert pick([row(128, 0, 0.02, False), row(32, 0, 0.01, False)], error)["block_size"] == 32  # none meets
 
 
 # -- the building blocks ---------------------------------------------------------------------
@@ -191,6 +267,23 @@ def test_awq_scale_beats_rounding_when_a_few_channels_are_salient():
     assert awq < 0.8 * rtn
     flat = np.ones((256, 128), np.float32)  # no salience: plain rounding is kept
     assert best_scale(flat, w, np.ones(128), 32, 4) is None
+
+
+def test_awq_models_are_cached_per_block_size(store, monkeypatch):
+    """AWQ's scales are fitted to the blocks they round in: one smoothed model per block size, reused."""
+    import llmx.calibration.awq as awq
+    from llmx.calibration.candidates import Candidate, WeightOnlyBuilder
+
+    fitted = []
+    monkeypatch.setattr(awq, "awq_scales", lambda model, base, stats, block, bits: fitted.append(block) or {})
+    builder = WeightOnlyBuilder(store.artifact("llama") / "decode.onnx", "decode", None, "w4", True)
+    for block in (128, 32, 128):
+        model, _ = builder.build(Candidate(awq=True, block_size=block))
+        sizes = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+                 if a.name == "block_size"}
+        assert sizes == {block}
+    assert fitted == [128, 32]
+    assert builder.source(Candidate(awq=False, block_size=128)) is builder.fp32
 
 
 @pytest.mark.parametrize("scheme", ["w8", "w4"])

@@ -26,6 +26,15 @@ def _alpha(ctx, param, value: str | None) -> float | str | None:
         raise click.BadParameter(f"expected a number in [0, 1] or 'off', got {value!r}") from None
 
 
+def _block_size(ctx, param, value: str) -> int | None:
+    if value.lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected a power of two >= 16 or 'auto', got {value!r}") from None
+
+
 def search_space(scheme, search: bool, target, fallback: bool, method, alpha, awq):
     """The search's dimensions: every flag given fixes its own; None without search or a scheme."""
     from llmx.calibration.search import ALPHAS, METHODS, SearchSpace
@@ -67,7 +76,10 @@ def register(cli: click.Group) -> None:
     @click.option("--awq/--no-awq", default=None, help="w4/w8: AWQ activation-aware scales (fixes the search's choice; "
                                                        "without search: off).")
     @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="w8a8 weight scales.")
-    @click.option("--block-size", type=int, default=32, show_default=True, help="w8/w4: input channels per scale (power of 2, >= 16).")
+    @click.option("--block-size", callback=_block_size, default="auto", show_default=True, metavar="N|auto",
+                  help="w8/w4: input channels per scale (power of 2, >= 16). auto: the search tries 128 (faster) "
+                       "and falls back to 32 when quality needs it; without search: 32. A number fixes the "
+                       "search's choice.")
     @click.option("--symmetric/--asymmetric", default=True, show_default=True, help="w8/w4: symmetric blocks (no zero points) or asymmetric.")
     @click.option("--samples", type=int, default=32, show_default=True, help="Calibration windows (at most).")
     @click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per window.")
@@ -86,12 +98,13 @@ def register(cli: click.Group) -> None:
         llmx calibrate ./art --data calib.txt --scheme w8a8 --target 1.01 -o ./art-int8
         llmx calibrate ./art --data calib.txt --scheme w8a8 --no-search --method entropy --smoothquant 0.5 -o ./x
         llmx calibrate ./art --data calib.jsonl --scheme w8 -o ./art-w8
+        llmx calibrate ./art --data calib.txt --scheme w4 -o ./art-w4                  # block 128, or 32 if needed
         llmx calibrate ./art --data calib.txt --scheme w4 --block-size 32 -o ./art-w4
         llmx calibrate ./art --data calib.txt --kv-cache int8 -o ./art-kv8          # int8 KV cache alone
         llmx calibrate ./art --data calib.txt --scheme w8 --kv-cache int8 -o ./art-w8-kv8
 
-        By default the search tries range methods and SmoothQuant alphas (w8a8) or AWQ (w4), then
-        keeps the most sensitive MatMuls in higher precision until --target holds, and picks the
+        By default the search tries range methods and SmoothQuant alphas (w8a8) or AWQ (w4) at
+        block size 128 then 32 (w8/w4; 32 only if no 128 recipe meets --target), then keeps the most sensitive MatMuls in higher precision until --target holds, and picks the
         fastest configuration that meets it; if none does, it says so and exits non-zero (--force
         keeps the best). Both graphs are quantized (decode calibrated on real KV caches). The new
         artifact holds quality.json: perplexity fp32 vs quantized on held-out text, top-1
