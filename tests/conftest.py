@@ -100,6 +100,7 @@ class _Store:
         self.root = root
         self.checkpoints: dict[str, Path] = {}
         self.artifacts: dict[str, Path] = {}
+        self.optimized_artifacts: dict[str, Path] = {}
 
     def checkpoint(self, variant: str) -> Path:
         if variant not in self.checkpoints:
@@ -116,10 +117,36 @@ class _Store:
             self.artifacts[variant] = out
         return self.artifacts[variant]
 
+    def optimized(self, variant: str) -> Path:
+        """The artifact after ``llmx optimize``; shared by every module, so a test that changes one copies it."""
+        from llmx.optimize.fuse import optimize_artifact
+
+        if variant not in self.optimized_artifacts:
+            out = self.root / "opt" / variant
+            optimize_artifact(self.artifact(variant), out)
+            self.optimized_artifacts[variant] = out
+        return self.optimized_artifacts[variant]
+
 
 @pytest.fixture(scope="session")
 def store(tmp_path_factory) -> _Store:
     return _Store(tmp_path_factory.mktemp("llmx"))
+
+
+@pytest.fixture(scope="session")
+def reference(store):
+    """variant -> transformers' own model of that checkpoint, loaded once per session. A test that
+    changes it (a config field) puts it back in a ``finally``."""
+    import transformers
+
+    models = {}
+
+    def get(variant: str):
+        if variant not in models:
+            models[variant] = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint(variant)).eval()
+        return models[variant]
+
+    return get
 
 
 @pytest.fixture(scope="session")
