@@ -8,5 +8,5 @@ python3 -m venv .venv
 # torch is pinned to 2.13.0 (CPU wheel); constraints.txt pins what the suite last passed with.
 .venv/bin/python -m pip install -q -c constraints.txt -e '.[all,test,bench]'
 # Two workers, whole files each (module fixtures are built once); they share the session store
-# of tiny checkpoints and exports (tests/conftest.py), ~7 instead of ~11 minutes on 2 cores.
+# of tiny checkpoints and exports (tests/conftest.py), 6-7 instead of 10-11 minutes on 2 cores.
 exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"

@@ -153,7 +153,8 @@ def _export_each_workers_share_first(request, store) -> None:
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if worker is None or count < 2:
         return
-    if not any(item.module.__name__ in ("test_parity", "test_optimize") for item in request.session.items):
+    modules = {getattr(getattr(item, "module", None), "__name__", "") for item in request.session.items}
+    if not modules & {"test_parity", "test_optimize"}:
         return
     for variant in list(VARIANTS)[int(worker.removeprefix("gw")) :: count]:
         store.artifact(variant)
