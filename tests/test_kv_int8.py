@@ -116,13 +116,10 @@ def test_manifest_records_the_int8_cache(pair):
     assert json.loads((int8.artifact / "llmx.json").read_text())["kv"]["dtype"] == "int8"
 
 
-def test_fused_attention_is_refused(pair, tmp_path):
-    from llmx.optimize.fuse import optimize_artifact
-
+def test_fused_attention_is_refused(pair, store, tmp_path):
     fp32, _ = pair("llama")
-    optimize_artifact(fp32.artifact, tmp_path / "fused")
     with pytest.raises(InputError, match="GroupQueryAttention"):
-        quantize_kv_artifact(tmp_path / "fused", tmp_path / "kv8", windows(fp32))
+        quantize_kv_artifact(store.optimized("llama"), tmp_path / "kv8", windows(fp32))
     assert not (tmp_path / "kv8").exists()
 
 

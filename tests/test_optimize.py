@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,10 +17,9 @@ import pytest
 
 from conftest import VARIANTS
 from llmx.manifest import load_manifest
-from llmx.optimize.fuse import optimize_artifact
 from llmx.runtime.engine import Engine
 from test_cli import error_line, leftovers, run
-from test_parity import PROMPTS, TOL, hf_logits, reference  # noqa: F401 (reference is a fixture)
+from test_parity import PROMPTS, TOL, hf_logits
 
 # The portable artifacts' parity tests, collected again here: pytest gives them this module's
 # `engines` fixture, so they check the optimized artifacts against transformers (1e-4 over
@@ -36,17 +34,8 @@ PORTABLE_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def optimized(store, tmp_path_factory):
-    root = tmp_path_factory.mktemp("optimized")
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            cache[variant] = root / variant
-            optimize_artifact(store.artifact(variant), cache[variant])
-        return cache[variant]
-
-    return get
+def optimized(store):
+    return store.optimized
 
 
 @pytest.fixture(scope="module")

@@ -20,20 +20,6 @@ PROMPTS = ["def fibonacci(n):\n    ", "import json", "class Wrapper(object):\n  
 
 
 @pytest.fixture(scope="module")
-def reference(store):
-    import transformers
-
-    models = {}
-
-    def get(variant: str):
-        if variant not in models:
-            models[variant] = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint(variant)).eval()
-        return models[variant]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def engines(store):
     cache = {}
 

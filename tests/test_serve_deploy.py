@@ -31,16 +31,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90, in_a_row: int = 1) -> None:
+    """``in_a_row``: 200s on that many new connections running, so that with several workers (each
+    loading its own engine, answering 503 until then) every one is likely ready, not just the first."""
+    deadline, ready = time.monotonic() + timeout, 0
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"server exited with {proc.returncode}"
         try:
-            if requests.get(url + "/ready", timeout=2).status_code == 200:
-                return
+            ready = ready + 1 if requests.get(url + "/ready", timeout=2).status_code == 200 else 0
         except requests.ConnectionError:
-            pass
-        time.sleep(0.3)
+            ready = 0
+        if ready >= in_a_row:
+            return
+        if not ready:
+            time.sleep(0.3)
     raise AssertionError("server never became ready")
 
 
@@ -145,7 +149,7 @@ def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine):
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc)
+        wait_ready(url, proc, in_a_row=10)
         for _ in range(3):
             check_answers(url, "llama", llama_engine)
         metrics = requests.get(url + "/metrics", timeout=10).text

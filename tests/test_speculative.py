@@ -294,13 +294,9 @@ def test_server_checks_the_draft_at_start(llama_artifact, store, other_tokenizer
 
 
 @pytest.fixture(scope="module")
-def fused(llama_artifact, tmp_path_factory):
+def fused(store):
     """The tiny Llama after ``llmx optimize``: GroupQueryAttention takes T > 1 tokens one row at a time."""
-    from llmx.optimize.fuse import optimize_artifact
-
-    out = tmp_path_factory.mktemp("fused") / "art"
-    optimize_artifact(llama_artifact, out)
-    return Engine.load(out, threads=1)
+    return Engine.load(store.optimized("llama"), threads=1)
 
 
 def test_fused_graphs_verify_drafts_and_fork_beams_as_the_exported_ones(target, fused):
