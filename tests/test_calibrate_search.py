@@ -154,14 +154,15 @@ def test_flags_fix_the_search_dimensions(store, calib_text, tmp_path, capsys):
     assert code == 2 and "--target needs the search" in error_line(err)
 
 
+def graph_block_sizes(model) -> set[int]:
+    """The block_size attribute of every MatMulNBits node of one graph."""
+    return {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"}
+
+
 def nbits_block_sizes(artifact: Path) -> set[int]:
-    """The block_size attribute of every MatMulNBits node in both graphs."""
-    sizes = set()
-    for graph in ("prefill", "decode"):
-        model = onnx.load_model(str(artifact / f"{graph}.onnx"), load_external_data=False)
-        sizes |= {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
-                  if a.name == "block_size"}
-    return sizes
+    """The block sizes of every MatMulNBits node in both graphs of ``artifact``."""
+    return set().union(*(graph_block_sizes(onnx.load_model(str(artifact / f"{graph}.onnx"), load_external_data=False))
+                         for graph in ("prefill", "decode")))
 
 
 def weight_only_args(store, calib_text, scheme: str) -> list[str]:
@@ -279,9 +280,7 @@ def test_awq_models_are_cached_per_block_size(store, monkeypatch):
     builder = WeightOnlyBuilder(store.artifact("llama") / "decode.onnx", "decode", None, "w4", True)
     for block in (128, 32, 128):
         model, _ = builder.build(Candidate(awq=True, block_size=block))
-        sizes = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
-                 if a.name == "block_size"}
-        assert sizes == {block}
+        assert graph_block_sizes(model) == {block}
     assert fitted == [128, 32]
     assert builder.source(Candidate(awq=False, block_size=128)) is builder.fp32
 
