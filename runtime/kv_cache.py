@@ -8,9 +8,15 @@ writes new entries in place. Capacity starts at what the caller needs and grows 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from llmx.errors import InputError
+
+# Every cache gets its own number, so a backend can tell a new cache from the last one it bound
+# without keeping the last one (and its buffers) alive after its batch has ended.
+_SERIALS = itertools.count()
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -27,6 +33,7 @@ class KVCache:
         self.lengths = np.zeros(rows, dtype=np.int64)
         self.buffers = [np.zeros((rows, kv_heads, capacity, head_dim), self.dtype) for _ in range(2 * num_layers)]
         self.version = 0  # bumped whenever buffers are reallocated; backends cache views by it
+        self.serial = next(_SERIALS)
 
     @property
     def rows(self) -> int:

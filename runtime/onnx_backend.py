@@ -144,7 +144,7 @@ class OrtBackend:
         self._keep = {flag: _ort().OrtValue.ortvalue_from_numpy(np.array(int(flag), np.int64)) for flag in (False, True)}
         self._bound_keep: bool | None = None
         self._logits: np.ndarray | None = None
-        self._bound_kv: tuple | None = None  # (cache buffer list, first row, rows) the decode binding points at
+        self._bound_kv: tuple | None = None  # (cache serial, version, first row, rows) the decode binding points at
         self.prefill_calls = 0  # for tests and metrics: how often prefill ran (on either graph)
 
     def _load(self, name: str):
@@ -217,15 +217,17 @@ class OrtBackend:
             b.bind_ortvalue_input(LOGITS_TO_KEEP, self._keep[last_only])
             self._bound_keep = last_only
         # Bindings persist between runs: rebind the 2 x layers KV buffers only when they changed.
-        # Holding the bound list keeps its arrays alive, so no new cache can reuse their addresses.
-        bound = self._bound_kv
-        if bound is None or bound[0] is not cache.buffers or bound[1:] != (first_row, n):
+        # The key names the cache without holding it: an ended batch's KV (hundreds of MB after a
+        # long request) is freed at once, and the stale pointers are never run, since a new cache
+        # has a new serial.
+        key = (cache.serial, cache.version, first_row, n)
+        if self._bound_kv != key:
             shape = (n, self.kv_heads, cache.capacity, self.head_dim)
             for past, present, buf in zip(self.past_names, self.present_names, cache.buffers):
                 ptr = buf.ctypes.data + first_row * buf[0].nbytes  # rows first_row.. are contiguous
                 b.bind_input(past, "cpu", 0, self.kv_dtype, shape, ptr)
                 b.bind_output(present, "cpu", 0, self.kv_dtype, shape, ptr)
-            self._bound_kv = (cache.buffers, first_row, n)
+            self._bound_kv = key
         if self._logits is None or self._logits.shape != (n, kept, self.vocab_size):
             self._logits = np.empty((n, kept, self.vocab_size), np.float32)
             b.bind_output("logits", "cpu", 0, np.float32, self._logits.shape, self._logits.ctypes.data)

@@ -168,7 +168,12 @@ class Scheduler:
         finally:
             self.settled.set()
         self.ready.set()
-        while self._drain(block=not self._busy()):
+        while True:
+            idle = not self._busy()
+            if idle:
+                self._shrink_idle_cache()
+            if not self._drain(block=idle):
+                break
             self.turn += 1
             try:
                 self._publish(self._admit())
@@ -190,6 +195,13 @@ class Scheduler:
             self.batch = SpeculativeBatch(backend, self.max_batch, capacity, self.drafter)
         if self.prefix_cache is not None:
             self.batch.on_leave = self._remember_leaving
+
+    def _shrink_idle_cache(self) -> None:
+        """An idle batch whose KV cache grew for a long request starts afresh at the initial size: a
+        server between requests holds a small cache, not the one its longest request needed
+        (rows x layers x context, hundreds of MB after one 8k-token request)."""
+        if self.batch.cache.capacity > min(self.engine.backend.max_seq_len, INITIAL_KV_CAPACITY):
+            self._new_batch()
 
     def _busy(self) -> bool:
         return bool(self.batch.active or self._waiting or self._prefill or self._beams or self._beam_waiting)

@@ -7,6 +7,9 @@ padded batches identical to prompts run alone.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -89,6 +92,28 @@ def test_multi_token_decode_matches_one_at_a_time(engines):
     assert np.abs(np.stack(singles) - together).max() <= TOL
     for a, b in zip(one.buffers, many.buffers):
         np.testing.assert_allclose(a[0, :, : len(prompt) + 3], b[0, :, : len(prompt) + 3], atol=1e-5)
+
+
+def test_an_ended_cache_is_freed_and_the_next_one_is_bound_afresh(engines):
+    """The decode binding names its cache without keeping it alive: a finished batch's KV buffers
+    are freed at once, and a new cache (likely at the freed addresses) gets its own binding."""
+    engine = engines("llama")
+    backend, prompt = engine.backend, engine.encode(PROMPTS[1])
+
+    def greedy(cache) -> list[int]:
+        tokens = [int(backend.prefill(cache, [0], [prompt])[0].argmax())]
+        for _ in range(4):
+            tokens.append(int(backend.decode(cache, np.array([[tokens[-1]]]))[0, 0].argmax()))
+        return tokens
+
+    first = backend.new_cache(1, 32)
+    expected = greedy(first)
+    buffer = weakref.ref(first.buffers[0])
+    del first
+    gc.collect()
+    assert buffer() is None
+    for _ in range(3):
+        assert greedy(backend.new_cache(1, 32)) == expected
 
 
 def test_sliding_window_is_active_in_mistral(engines, reference):

@@ -5,6 +5,7 @@ plain generation loop's for the same settings: batching never changes what a req
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -16,6 +17,7 @@ from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
 from llmx.runtime.sequence import Sequence
 from llmx.serve.errors import ApiError
+from llmx.serve import scheduler as scheduler_module
 from llmx.serve.scheduler import QueueFull, Scheduler
 from llmx.serve.service import Service
 
@@ -151,6 +153,24 @@ def test_an_idle_batch_prefills_a_burst_at_once_a_busy_one_a_chunk_per_turn(engi
         drain(decoding)
     for t, ticket in zip(texts, burst):
         assert ticket.seqs[0].output_ids == engine.generate([t], SamplingParams(max_new_tokens=3, temperature=0))[0].output_ids
+
+
+def test_an_idle_server_gives_back_the_cache_a_long_request_grew(engine, llama_engine, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "INITIAL_KV_CAPACITY", 8)
+    params = dict(max_new_tokens=24, temperature=0, ignore_eos=True)
+    with running(Scheduler(lambda: engine, max_batch=2)) as scheduler:
+        assert scheduler.ready.wait(30) and scheduler.batch.cache.capacity == 8
+        grown = scheduler.batch
+        ticket = scheduler.submit([sequence(engine, LONG, **params)])
+        drain(ticket)
+        assert grown.cache.capacity >= len(engine.encode(LONG)) + 24
+        deadline = time.monotonic() + 10
+        while scheduler.batch is grown and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.batch is not grown and scheduler.batch.cache.capacity == 8
+        again = scheduler.submit([sequence(engine, LONG, **params)])
+        drain(again)
+        assert again.seqs[0].output_ids == ticket.seqs[0].output_ids == llama_engine.generate([LONG], SamplingParams(**params))[0].output_ids
 
 
 def test_cancel_frees_the_row_at_once(engine):
