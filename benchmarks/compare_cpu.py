@@ -43,6 +43,12 @@ from smollm_shape import SMOLLM_135M, build_checkpoint  # noqa: E402
 
 LLMX = str(Path(sys.executable).with_name("llmx"))
 BASELINE = "genai"
+# Engines take turns, so each timed run starts right after another engine's. onnxruntime-genai
+# leaves ONNX Runtime's default spinning on: its workers keep spinning for tens of ms after a
+# generation ends and take a core from whoever runs next (llmx's TTFT right after genai at 2
+# threads: 154 ms, after another llmx or a 50 ms pause: 130-137 ms; llmx's own workers stop at
+# the end of every run). A short pause before each turn measures every engine on a quiet start.
+SETTLE_S = 0.2
 # engine name -> (worker kind, which model, python to run it with, extra worker arguments)
 ENGINES = {
     "llmx": ("llmx", "art-opt", sys.executable, []),
@@ -178,6 +184,11 @@ class Worker:
         self.proc.stdin.flush()
         return self._read()
 
+    def run(self, new_tokens: int) -> dict:
+        """One timed generation, after the previous engine's threads have gone quiet."""
+        time.sleep(SETTLE_S)
+        return self.ask(f"run {new_tokens}")
+
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
@@ -191,7 +202,7 @@ def measure(workers: list[Worker], args, log) -> dict[str, dict]:
     for rnd in range(args.rounds):
         shift = rnd % len(workers)
         for w in workers[shift:] + workers[:shift]:
-            results[w.name]["runs"].append(w.ask(f"run {args.new_tokens}"))
+            results[w.name]["runs"].append(w.run(args.new_tokens))
         log(f"round {rnd + 1}/{args.rounds} done")
     for w in workers:
         log(f"context sweep: {w.name}")

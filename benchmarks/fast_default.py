@@ -73,7 +73,7 @@ def run_group(precision: str, paths: dict[str, Path], prompt_file: Path, args, l
         for rnd in range(args.rounds):
             shift = rnd % len(workers)
             for w in workers[shift:] + workers[:shift]:
-                results[w.name]["runs"].append(w.ask(f"run {args.new_tokens}"))
+                results[w.name]["runs"].append(w.run(args.new_tokens))
         for w in workers:
             memory = w.ask("rss")
             results[w.name].update(peak_rss_mb=memory["peak_rss_mb"], pss_mb=memory.get("pss_mb"))

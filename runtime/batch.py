@@ -109,8 +109,9 @@ class Batch:
     def _long_rope_starts(self) -> bool:
         """LongRoPE: this step takes the batch past original_max_position_embeddings, so the graphs
         switch to the long factors, and every cached key was rotated with the short ones."""
-        longest = int(self.cache.lengths[: len(self.active)].max())
-        return self.long_rope_at is not None and longest == self.long_rope_at
+        if self.long_rope_at is None:
+            return False
+        return int(self.cache.lengths[: len(self.active)].max()) == self.long_rope_at
 
     def _recompute(self) -> list[Event]:
         """Run every sequence again from its first token with the long factors, as transformers'
