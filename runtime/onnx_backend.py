@@ -17,6 +17,7 @@ from llmx.artifact_paths import artifact_file
 from llmx.errors import ArtifactError, InputError, LlmxError, require
 from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.manifest import Manifest
+from llmx.runtime import huge_pages
 from llmx.runtime.cpu_plan import physical_cores, plan_threads
 from llmx.runtime.kv_cache import KVCache
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
@@ -114,6 +115,8 @@ class OrtBackend:
         # None: decided from the cores free now (runtime/cpu_plan.py); the plan is kept for bench/serve to report.
         self.cpu_plan = plan_threads(threads, spin)
         self._ort_provider, self._optimization = PROVIDERS[provider], optimization
+        # --low-memory's weights stay in the mapped file; packed ones get 2 MiB pages (runtime/huge_pages.py).
+        self._huge_pages = huge_pages.enabled() and not low_memory
         for name in ("prefill", "decode"):
             if manifest.graphs.get(name) is None:
                 raise ArtifactError(f"artifact has no {name} graph")
@@ -156,7 +159,8 @@ class OrtBackend:
         if not path.is_file():
             raise ArtifactError(f"artifact is missing {graph.file}")
         try:
-            return _ort().InferenceSession(str(path), opts, providers=[self._ort_provider])
+            with huge_pages.backing(self._huge_pages):
+                return _ort().InferenceSession(str(path), opts, providers=[self._ort_provider])
         except Exception as exc:
             raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
 
