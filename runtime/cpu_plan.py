@@ -103,6 +103,15 @@ def _env_threads(value: str) -> int:
     return int(value)
 
 
+def env_switch(env, name: str) -> bool | None:
+    """An LLMX_* on/off variable: None when unset, else "1" or "0" (anything else is refused)."""
+    if name not in env:
+        return None
+    if env[name] not in ("0", "1"):
+        raise InputError(f"{name} must be 0 or 1, got {env[name]!r}")
+    return env[name] == "1"
+
+
 def plan_threads(threads: int | None = None, spin: bool | None = None, cpus: set[int] | None = None,
                  idle: dict[int, float] | None = None, physical: int | None = None,
                  env: dict[str, str] | None = None) -> CpuPlan:
@@ -114,9 +123,7 @@ def plan_threads(threads: int | None = None, spin: bool | None = None, cpus: set
     if threads is None and env.get("LLMX_THREADS"):
         threads, source = _env_threads(env["LLMX_THREADS"]), "LLMX_THREADS"
     if spin is None and env.get("LLMX_SPIN"):
-        if env["LLMX_SPIN"] not in ("0", "1"):
-            raise InputError(f"LLMX_SPIN must be 0 or 1, got {env['LLMX_SPIN']!r}")
-        spin = env["LLMX_SPIN"] == "1"
+        spin = env_switch(env, "LLMX_SPIN")
     if idle is None and (threads is None or spin is None):
         idle = sample_idle(cpus)
     free_cores = None if idle is None else sum(idle.values())

@@ -23,7 +23,7 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
-from llmx.errors import InputError
+from llmx.runtime.cpu_plan import env_switch
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,7 @@ Spans = list[tuple[int, int]]
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get("LLMX_HUGE_PAGES", "1")
-    if value not in ("0", "1"):
-        raise InputError(f"LLMX_HUGE_PAGES must be 0 or 1, got {value!r}")
-    return value == "1" and sys.platform == "linux"
+    return env_switch(os.environ if env is None else env, "LLMX_HUGE_PAGES") is not False and sys.platform == "linux"
 
 
 def anonymous_spans(maps: str) -> Spans:

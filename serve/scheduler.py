@@ -184,9 +184,12 @@ class Scheduler:
                 self._fail_running(f"generation failed: {exc}")
             self._gauges()
 
+    def _initial_capacity(self) -> int:
+        return min(self.engine.backend.max_seq_len, INITIAL_KV_CAPACITY)
+
     def _new_batch(self) -> None:
         backend = self.engine.backend
-        capacity = min(backend.max_seq_len, INITIAL_KV_CAPACITY)
+        capacity = self._initial_capacity()
         if self.drafter is None:
             self.batch = Batch(backend, rows=self.max_batch, capacity=capacity)
         else:
@@ -200,7 +203,7 @@ class Scheduler:
         """An idle batch whose KV cache grew for a long request starts afresh at the initial size: a
         server between requests holds a small cache, not the one its longest request needed
         (rows x layers x context, hundreds of MB after one 8k-token request)."""
-        if self.batch.cache.capacity > min(self.engine.backend.max_seq_len, INITIAL_KV_CAPACITY):
+        if self.batch.cache.capacity > self._initial_capacity():
             self._new_batch()
 
     def _busy(self) -> bool:
