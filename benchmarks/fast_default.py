@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from compare_cpu import ENGINES, Worker, build_model, write_prompts  # noqa: E402
 from peers import PEERS_PYTHON, has_module, start_neighbour  # noqa: E402
+from roofline import artifact_step_bytes, genai_step_bytes, step_floor_ms, stream_gb_s  # noqa: E402
 from smollm_shape import SHAPES  # noqa: E402
 
 # precision -> (llmx model key, genai model key); the genai keys build with genai's own builder.
@@ -83,6 +84,29 @@ def run_group(precision: str, paths: dict[str, Path], prompt_file: Path, args, l
     return results
 
 
+def threads_of(name: str, plan: str | None) -> int:
+    """The thread count an engine ran with: genai's from its name, llmx's from its plan's text."""
+    if name.endswith("-1t"):
+        return 1
+    if name.endswith("-2t"):
+        return 2
+    return int(plan.split()[0]) if plan and plan.split()[0].isdigit() else 2
+
+
+def roofline(summary: dict, precision: str, paths: dict[str, Path], gb_s: dict[int, float], context: int) -> dict:
+    """Each engine's median step against the fastest step its bytes allow at its thread count
+    (benchmarks/roofline.py): near 1.0 is memory-bound, where no rewrite of graph or loop helps."""
+    art, genai = MODELS[precision]
+    step_bytes = {"llmx": artifact_step_bytes(paths[art], context), "genai": genai_step_bytes(paths[genai], context)}
+    out = {"stream_gb_s": gb_s, "context": context, "step_mb": {k: round(v / 1e6, 1) for k, v in step_bytes.items()},
+           "engines": {}}
+    for name, row in summary["engines"].items():
+        floor = step_floor_ms(step_bytes[name.split("-")[0]], gb_s[threads_of(name, row.get("plan"))])
+        step = 1e3 / row["decode_tok_s"]
+        out["engines"][name] = {"floor_ms": round(floor, 2), "step_ms": round(step, 2), "floor_over_step": round(floor / step, 3)}
+    return out
+
+
 def summarize(results: dict[str, dict], precision: str) -> dict:
     """Medians per engine and llmx's per-round ratios to genai's faster thread setting in that round."""
     rows = {}
@@ -124,6 +148,22 @@ def markdown(report: dict) -> str:
                          f"{best['pss_mb']:.0f} | {pss_x} | {s['same_tokens']} |")
         plans = sorted({s["engines"][f"llmx-{p}"].get("plan") or "?" for p, s in by_precision.items()})
         lines += ["", f"llmx chose: {'; '.join(plans)}", ""]
+        roofs = {p: s["roofline"] for p, s in by_precision.items() if s.get("roofline")}
+        if roofs:
+            gb_s = next(iter(roofs.values()))["stream_gb_s"]
+            lines += [f"Memory roofline (benchmarks/roofline.py): ONNX Runtime's MatMul streams fp32 weights at "
+                      f"{gb_s[1]:.1f} GB/s on 1 thread, {gb_s[2]:.1f} on 2; floor = bytes a step reads / that speed.", "",
+                      "| precision | MB per step llmx | genai | llmx step ms | floor ms | floor / step | "
+                      "genai 1t step | floor / step | genai 2t step | floor / step |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for p, r in roofs.items():
+                cells = []
+                for name in (f"llmx-{p}", f"genai-{p}-1t", f"genai-{p}-2t"):
+                    e = r["engines"][name]
+                    cells += [f"{e['step_ms']:.2f}"] + ([f"{e['floor_ms']:.2f}"] if name.startswith("llmx") else []) + \
+                             [f"{e['floor_over_step']:.0%}"]
+                lines.append(f"| {p} | {r['step_mb']['llmx']:.0f} | {r['step_mb']['genai']:.0f} | " + " | ".join(cells) + " |")
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -192,9 +232,13 @@ def main() -> None:
         load_start = round(os.getloadavg()[0], 2)
         try:
             report["hosts"][host] = {}
+            log(f"{host} host: weight streaming speed (roofline)")
+            gb_s = {threads: round(stream_gb_s(threads), 2) for threads in (1, 2)}
             for p in precisions:
                 log(f"{host} host: {p}")
-                report["hosts"][host][p] = summarize(run_group(p, paths, prompt_file, args, log), p)
+                summary = summarize(run_group(p, paths, prompt_file, args, log), p)
+                summary["roofline"] = roofline(summary, p, paths, gb_s, args.prompt_len + args.new_tokens // 2)
+                report["hosts"][host][p] = summary
                 report["load"][host] = (load_start, round(os.getloadavg()[0], 2))
                 text = write(report, stem, started)  # after every group: an interrupted run keeps what it measured
         finally:
