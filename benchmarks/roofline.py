@@ -10,6 +10,7 @@ well past this process's share of the last-level cache), that gives the fastest 
 on this ONNX Runtime can take. An engine near 100 % of it is memory-bound and no graph or loop
 rewrite moves it; one far below it is compute- or overhead-bound (quantized kernels, which
 unpack as they go, usually are). benchmarks/fast_default.py puts both engines against it.
+benchmarks/mem_read.c measures the raw load ceiling the MatMul's speed is a fraction of.
 """
 
 from __future__ import annotations
