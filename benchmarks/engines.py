@@ -42,6 +42,11 @@ class Llmx:
         plan = getattr(self.engine.backend, "cpu_plan", None)
         return plan.describe() if plan else None
 
+    def threads(self) -> int | None:
+        """The thread count the backend chose (no flag given: decided at start-up)."""
+        plan = getattr(self.engine.backend, "cpu_plan", None)
+        return plan.threads if plan else None
+
     def generate(self, prompt: list[int], new_tokens: int):
         from llmx.runtime.bench import run_once
 
@@ -189,7 +194,8 @@ def main() -> None:
         sys.exit("--low-memory is an llmx option")
     engine = ENGINES[args.engine](args.model, args.threads, args.spin, **extra)
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0, "rss_after_load_mb": peak_rss_mb(),
-                      "plan": getattr(engine, "describe", lambda: None)()}), flush=True)
+                      "plan": getattr(engine, "describe", lambda: None)(),
+                      "threads": getattr(engine, "threads", lambda: args.threads)()}), flush=True)
     serve(engine, prompts)
 
 

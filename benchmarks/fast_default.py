@@ -68,7 +68,8 @@ def run_group(precision: str, paths: dict[str, Path], prompt_file: Path, args, l
         for name in group:
             log(f"loading {name}")
             workers.append(Worker(name, paths, prompt_file))
-        results = {w.name: {"runs": [], "load_s": w.ready["load_s"], "plan": w.ready.get("plan")} for w in workers}
+        results = {w.name: {"runs": [], "load_s": w.ready["load_s"], "plan": w.ready.get("plan"),
+                            "threads": w.ready.get("threads")} for w in workers}
         for w in workers:
             w.ask(f"run {args.new_tokens}")
         for rnd in range(args.rounds):
@@ -84,15 +85,6 @@ def run_group(precision: str, paths: dict[str, Path], prompt_file: Path, args, l
     return results
 
 
-def threads_of(name: str, plan: str | None) -> int:
-    """The thread count an engine ran with: genai's from its name, llmx's from its plan's text."""
-    if name.endswith("-1t"):
-        return 1
-    if name.endswith("-2t"):
-        return 2
-    return int(plan.split()[0]) if plan and plan.split()[0].isdigit() else 2
-
-
 def roofline(summary: dict, precision: str, paths: dict[str, Path], gb_s: dict[int, float], context: int) -> dict:
     """Each engine's median step against the fastest step its bytes allow at its thread count
     (benchmarks/roofline.py): near 1.0 is memory-bound, where no rewrite of graph or loop helps."""
@@ -101,7 +93,7 @@ def roofline(summary: dict, precision: str, paths: dict[str, Path], gb_s: dict[i
     out = {"stream_gb_s": gb_s, "context": context, "step_mb": {k: round(v / 1e6, 1) for k, v in step_bytes.items()},
            "engines": {}}
     for name, row in summary["engines"].items():
-        floor = step_floor_ms(step_bytes[name.split("-")[0]], gb_s[threads_of(name, row.get("plan"))])
+        floor = step_floor_ms(step_bytes[name.split("-")[0]], gb_s[row["threads"]])
         step = 1e3 / row["decode_tok_s"]
         out["engines"][name] = {"floor_ms": round(floor, 2), "step_ms": round(step, 2), "floor_over_step": round(floor / step, 3)}
     return out
@@ -115,7 +107,8 @@ def summarize(results: dict[str, dict], precision: str) -> dict:
         ttft = [run["ttft_s"] * 1e3 for run in r["runs"]]
         rows[name] = {"decode_tok_s": statistics.median(decode), "ttft_ms": statistics.median(ttft),
                       "decode_runs": decode, "ttft_runs": ttft, "pss_mb": r["pss_mb"], "peak_rss_mb": r["peak_rss_mb"],
-                      "load_s": r["load_s"], "plan": r.get("plan"), "tokens": r["runs"][-1]["token_ids"]}
+                      "load_s": r["load_s"], "plan": r.get("plan"), "threads": r.get("threads"),
+                      "tokens": r["runs"][-1]["token_ids"]}
     llmx, g1, g2 = (rows[f"llmx-{precision}"], rows[f"genai-{precision}-1t"], rows[f"genai-{precision}-2t"])
     best = "2t" if g2["decode_tok_s"] >= g1["decode_tok_s"] else "1t"
     decode_ratios = [d / max(a, b) for d, a, b in zip(llmx["decode_runs"], g1["decode_runs"], g2["decode_runs"])]

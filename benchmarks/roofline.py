@@ -25,8 +25,16 @@ from pathlib import Path
 
 import numpy as np
 
-# onnx TensorProto data types -> bytes per element (4-bit types pack two per byte).
-_ITEMSIZE = {1: 4, 2: 1, 3: 1, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 16: 2, 21: 0.5, 22: 0.5}
+
+def _nbytes(init) -> int:
+    """Stored size of an initializer: onnx's element type, 4-bit types packed two to a byte."""
+    import onnx
+
+    count = int(np.prod(init.dims, dtype=np.int64))
+    packed = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4, getattr(onnx.TensorProto, "FLOAT4E2M1", None)}
+    if init.data_type in packed:
+        return (count + 1) // 2
+    return count * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
 
 
 def weight_bytes(graph: str | Path) -> int:
@@ -48,7 +56,7 @@ def weight_bytes(graph: str | Path) -> int:
     for init in model.graph.initializer:
         if consumers.get(init.name, {"Gather"}) == {"Gather"}:
             continue
-        total += int(np.prod(init.dims, dtype=np.int64) * _ITEMSIZE.get(init.data_type, 4))
+        total += _nbytes(init)
     return total
 
 
@@ -115,14 +123,12 @@ def genai_step_bytes(model_dir: Path, context: int) -> int:
 
 
 def measured_step_ms(artifact: Path, threads: int, prompt_len: int, new_tokens: int) -> float:
-    from llmx.runtime.bench import prompt_ids, run_once
+    """llmx's decode step on ``artifact`` as `llmx bench` times it (warm-up, then 3 runs)."""
+    from llmx.runtime.bench import bench
     from llmx.runtime.engine import Engine
 
     engine = Engine.load(artifact, threads=threads, spin=threads > 1)
-    prompt = prompt_ids(prompt_len, min(engine.backend.vocab_size, engine.tokenizer.vocab_size))
-    run_once(engine.backend, engine.tokenizer, [prompt], new_tokens)
-    runs = [run_once(engine.backend, engine.tokenizer, [prompt], new_tokens) for _ in range(3)]
-    return statistics.median(statistics.median(r.steps_s) for r in runs) * 1e3
+    return bench(engine.backend, engine.tokenizer, prompt_len, new_tokens, repeat=3, warmup=1).tpot_ms
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ def _graph(tmp_path: Path) -> Path:
     packed = helper.make_tensor("packed", TensorProto.UINT8, [16, 1, 16], np.zeros(256, np.uint8).tobytes(), raw=True)
     scales = numpy_helper.from_array(np.zeros(16, np.float16), "scales")
     in_branch = numpy_helper.from_array(np.zeros((4, 4), np.float32), "in_branch")  # read inside an If body
+    nibbles = helper.make_tensor("nibbles", TensorProto.UINT4, [5], [0] * 5)  # 5 values in 3 bytes
     branch = helper.make_graph([helper.make_node("Identity", ["in_branch"], ["b"])], "then", [],
                                [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])
     nodes = [
@@ -36,20 +37,22 @@ def _graph(tmp_path: Path) -> Path:
         helper.make_node("MatMulNBits", ["h", "packed", "scales"], ["q"], domain="com.microsoft", K=16, N=16, bits=4,
                          block_size=32),
         helper.make_node("Transpose", ["tied"], ["tt"]),
+        helper.make_node("Cast", ["nibbles"], ["n"], to=TensorProto.FLOAT),
         helper.make_node("If", ["cond"], ["o"], then_branch=branch, else_branch=branch),
     ]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1]),
                                            helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("q", "t", "tt", "o")],
-                              [embed, tied, w, packed, scales, in_branch])
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("q", "t", "tt", "o", "n")],
+                              [embed, tied, w, packed, scales, in_branch, nibbles])
     path = tmp_path / "g.onnx"
     onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="g.bin", size_threshold=0)
     return path
 
 
 def test_weight_bytes_skips_gather_only_tables_and_counts_everything_else(tmp_path):
-    # tied 100x8 fp32 + w 8x16 fp32 + packed 256 uint8 + scales 16 fp16 + in_branch 4x4 fp32; not embed.
-    assert weight_bytes(_graph(tmp_path)) == 3200 + 512 + 256 + 32 + 64
+    # tied 100x8 fp32 + w 8x16 fp32 + packed 256 uint8 + scales 16 fp16 + in_branch 4x4 fp32
+    # + 5 uint4 packed two to a byte; not embed.
+    assert weight_bytes(_graph(tmp_path)) == 3200 + 512 + 256 + 32 + 64 + 3
 
 
 def test_kv_bytes_and_floor():
@@ -65,9 +68,9 @@ def test_stream_probe_reports_a_finite_speed():
 
 def test_fast_default_puts_each_engine_against_the_floor_at_its_thread_count(tmp_path, monkeypatch):
     summary = {"engines": {
-        "llmx-fp32": {"decode_tok_s": 50.0, "plan": "2 threads, spinning on (free cores; 2 usable cores, 2.0 free)"},
-        "genai-fp32-1t": {"decode_tok_s": 25.0, "plan": None},
-        "genai-fp32-2t": {"decode_tok_s": 40.0, "plan": None},
+        "llmx-fp32": {"decode_tok_s": 50.0, "threads": 2},
+        "genai-fp32-1t": {"decode_tok_s": 25.0, "threads": 1},
+        "genai-fp32-2t": {"decode_tok_s": 40.0, "threads": 2},
     }}
     monkeypatch.setattr(fast_default, "artifact_step_bytes", lambda path, context: 500_000_000)
     monkeypatch.setattr(fast_default, "genai_step_bytes", lambda path, context: 520_000_000)
@@ -77,4 +80,6 @@ def test_fast_default_puts_each_engine_against_the_floor_at_its_thread_count(tmp
     assert (g1["floor_ms"], g1["floor_over_step"]) == (41.6, 1.04)  # 1 thread streams at half the speed
     assert (g2["floor_ms"], g2["floor_over_step"]) == (20.8, 0.832)
     assert roof["step_mb"] == {"llmx": 500.0, "genai": 520.0}
-    assert fast_default.threads_of("llmx-w4", "1 thread, spinning off (free cores; 2 usable cores, 1.0 free)") == 1
+    summary["engines"]["llmx-fp32"]["threads"] = 1  # a busy host: llmx chose one thread
+    assert fast_default.roofline(summary, "fp32", {"art-opt": tmp_path, "genai": tmp_path}, {1: 12.5, 2: 25.0},
+                                 192)["engines"]["llmx-fp32"]["floor_ms"] == 40.0
