@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.runtime.onnx_backend import session_options
 
 ATTENTION_OPS = ("GroupQueryAttention",)

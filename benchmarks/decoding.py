@@ -267,7 +267,7 @@ def bench_kv_memory(arts: dict[str, Path], model: str, threads: int) -> dict:
 
 def bench_kv_quality(arts: dict[str, Path]) -> dict:
     """The quality report ``llmx calibrate --kv-cache int8`` wrote (held-out perplexity, agreement)."""
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
 
     report = load_manifest(arts["demo-kv8"]).extras["quality"]
     return {"windows": report["evaluation"]["windows"], "seq_len": report["evaluation"]["seq_len"],

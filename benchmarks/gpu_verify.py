@@ -123,7 +123,7 @@ def residency(work: Path, name: str) -> list[dict]:
     import onnxruntime as ort
 
     import llmx.runtime.ort_device_backend as odb
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.engine import Engine
 
     out = []
@@ -169,7 +169,7 @@ def residency(work: Path, name: str) -> list[dict]:
 
 def llmx_bench(art: Path, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool | None) -> dict:
     """llmx bench's measurement, in process, with CUDA graphs on or off (the CLI takes the default)."""
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.bench import bench
     from llmx.runtime.ort_device_backend import OrtDeviceBackend
     from llmx.runtime.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.runtime.onnx_backend import OrtBackend
 
 

@@ -68,7 +68,7 @@ def decode_rate(backend, prompt: int, steps: int) -> float:
 
 
 def decode_speeds(artifacts: dict[str, Path], args) -> dict[str, list[float]]:
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.engine import make_backend
 
     backends = {n: make_backend(p, load_manifest(p), "ort-cpu", threads=args.threads) for n, p in artifacts.items()}

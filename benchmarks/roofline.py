@@ -106,7 +106,7 @@ def step_floor_ms(step_bytes: int, gb_s: float) -> float:
 
 def artifact_step_bytes(artifact: Path, context: int) -> int:
     """An llmx artifact's decode step: its decode graph's weights and the KV cache at ``context``."""
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
 
     manifest = load_manifest(artifact)
     kv = manifest.kv

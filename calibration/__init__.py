@@ -27,7 +27,7 @@ from llmx.calibration.pipeline import Progress, silent
 from llmx.calibration.search import SearchSpace, TargetNotMetError
 from llmx.calibration.static import METHODS
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest, Precision, load_manifest
+from llmx.artifact.manifest import Manifest, Precision, load_manifest
 
 SCHEMES = ("w8a8", "w8", "w4")
 UNSEARCHED_BLOCK_SIZE = 32  # no quality gate without the search: the known-safe size (genai's default too)
@@ -100,7 +100,7 @@ def calibrate_artifact(src: str | Path, out: str | Path, data: str | Path, optio
                        log: Callable[[str], None] = lambda msg: None,
                        progress: Progress = silent) -> Manifest:
     """Quantize artifact ``src`` into ``out`` calibrated on ``data``; returns the new manifest."""
-    from llmx.artifact import finish, staged_artifact
+    from llmx.artifact.staging import finish, staged_artifact
     from llmx.calibration.judge import meets
     from llmx.calibration.report import write_report
     from llmx.calibration.search import format_search
@@ -236,7 +236,7 @@ def load_windows(src: Path, manifest: Manifest, data, eval_data, options: Calibr
 
 def check_unquantized(src: Path, manifest: Manifest) -> None:
     from llmx.calibration.matmuls import is_quantized
-    from llmx.onnx_files import load_graph
+    from llmx.artifact.onnx_files import load_graph
 
     scheme = manifest.precision.scheme
     if scheme or any(is_quantized(load_graph(src / g.file)) for g in manifest.graphs.values()):

@@ -57,7 +57,7 @@ class StaticBuilder:
         self._loaded: dict[Path, object] = {}
 
     def weights(self) -> list[str]:
-        from llmx.onnx_files import load_graph
+        from llmx.artifact.onnx_files import load_graph
 
         return [mm.weight for mm in weight_matmuls(load_graph(self.fp32))]
 
@@ -68,7 +68,7 @@ class StaticBuilder:
 
     def _smooth(self, alpha: float) -> tuple[Path, dict]:
         from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
-        from llmx.onnx_files import load_graph, save_graphs
+        from llmx.artifact.onnx_files import load_graph, save_graphs
 
         model, base = load_graph(self.fp32), self.fp32.parent
         scales = smoothing_scales(model, base, self.stats.merged_absmax(), alpha)
@@ -80,7 +80,7 @@ class StaticBuilder:
 
     def ranges(self, method: str, alpha: float | None):
         from llmx.calibration.static import collect_ranges, minmax_ranges
-        from llmx.onnx_files import load_graph
+        from llmx.artifact.onnx_files import load_graph
 
         if (method, alpha) not in self._ranges:
             path, scales = self.smoothed(alpha)

@@ -16,7 +16,7 @@ import numpy as np
 
 from llmx.calibration.data import HELD_OUT_FRACTION, Split, TextData, spread
 from llmx.errors import InputError
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 
 def sentence_inputs(tokenizer, data: TextData) -> list[list[int]]:
@@ -73,7 +73,7 @@ class EncoderFeeds:
 def measure_embeddings(reference: Path, candidate: Path, candidate_manifest: Manifest, inputs: list[list[int]],
                        threads: int | None = None, progress: Callable[[int], None] = lambda n: None) -> dict:
     from llmx.calibration.report import graph_bytes
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.embed import Embedder
 
     ref = Embedder.load(reference, threads=threads).embed_ids(inputs).vectors

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 
 def prefill_feed(window: list[int]) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 
 def meets(quality: dict, target: float) -> bool:

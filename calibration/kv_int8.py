@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 QMAX = 127.0
 _MIN_ABSMAX = 1e-6  # a channel that is always 0 still gets a finite scale
@@ -218,9 +218,9 @@ def quantize_kv_artifact(src: str | Path, out: str | Path, windows: list[list[in
                          force: bool = False) -> Manifest:
     """A copy of artifact ``src`` at ``out`` whose KV cache is int8, calibrated on token ``windows``
     (``llmx calibrate --kv-cache int8`` does the same from text, and reports the quality)."""
-    from llmx.artifact import copy_tokenizer, finish, staged_artifact
-    from llmx.manifest import load_manifest
-    from llmx.onnx_files import describe_graph, load_graph, save_graphs
+    from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
+    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
     src = Path(src)
     manifest = load_manifest(src)

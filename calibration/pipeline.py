@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from llmx.calibration.activations import ActivationStats, collect_stats
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 if TYPE_CHECKING:
     from llmx.calibration import CalibrationOptions
@@ -44,7 +44,7 @@ def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], opt
     ``stats``: activation statistics of these windows already collected (by the search); else
     they are collected here when SmoothQuant, AWQ or minmax ranges need them.
     """
-    from llmx.onnx_files import load_graph
+    from llmx.artifact.onnx_files import load_graph
 
     if options.scheme is None:  # weights stay as they are (an int8 KV cache alone)
         return {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}, src, {}
@@ -70,7 +70,7 @@ def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], opt
 def prepare_fp32(src: Path, manifest: Manifest, out: Path) -> dict[str, Path]:
     """The source graphs with named nodes and typed MatMul inputs (what the quantizers need)."""
     from llmx.calibration.matmuls import declare_activation_types, name_nodes
-    from llmx.onnx_files import load_graph, save_graphs
+    from llmx.artifact.onnx_files import load_graph, save_graphs
 
     out.mkdir()
     models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
@@ -107,7 +107,7 @@ def awq_graphs(paths: dict[str, Path], stats: ActivationStats, options: Calibrat
     from llmx.calibration.awq import awq_scales
     from llmx.calibration.smoothquant import apply_smoothing
     from llmx.calibration.weight_only import BITS
-    from llmx.onnx_files import load_graph, save_graphs
+    from llmx.artifact.onnx_files import load_graph, save_graphs
 
     base = next(iter(paths.values())).parent
     models = {name: load_graph(path) for name, path in paths.items()}
@@ -122,7 +122,7 @@ def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, ou
                   absmax: dict | None = None):
     """SmoothQuant both graphs with one set of scales; returns (new graph paths, what was done)."""
     from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
-    from llmx.onnx_files import load_graph, save_graphs
+    from llmx.artifact.onnx_files import load_graph, save_graphs
 
     if absmax is None:
         total = sum(feeds.count(name) for name in paths)
@@ -145,7 +145,7 @@ def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, ou
     """Q/DQ graphs; minmax ranges come from ``stats`` (and the smoothing ``scales`` applied to
     ``paths``) when given: what ORT's calibrator would find, without running the graphs again."""
     from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
-    from llmx.onnx_files import load_graph
+    from llmx.artifact.onnx_files import load_graph
 
     out.mkdir()
     for name, path in paths.items():
@@ -161,8 +161,8 @@ def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, ou
 def write_quantized(src: Path, manifest: Manifest, tmp: Path, models: dict, weights_dir: Path | None,
                     options: CalibrationOptions, record: dict) -> Manifest:
     """Graphs, tokenizer and TensorRT tables into ``tmp``; the new manifest (not yet saved)."""
-    from llmx.artifact import copy_tokenizer
-    from llmx.onnx_files import describe_graph, save_graphs
+    from llmx.artifact.staging import copy_tokenizer
+    from llmx.artifact.onnx_files import describe_graph, save_graphs
 
     save_graphs(models, tmp, sources={name: weights_dir for name in models} if weights_dir else None)
     copy_tokenizer(src, tmp)

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from llmx.manifest import Manifest, load_manifest
-from llmx.onnx_files import load_graph
+from llmx.artifact.manifest import Manifest, load_manifest
+from llmx.artifact.onnx_files import load_graph
 
 REPORT_FILE = "quality.json"
 

@@ -7,5 +7,5 @@
     trt_records.py   build-side checks: precision per GPU, timing caches, INT8 calibration tables
 
 What the runtime needs from a build (limits, profiles, the engine record) lives in the core
-contract (llmx/engine_shapes.py, llmx/engine_record.py): the runtime never imports this stage.
+contract (llmx/artifact/tensorrt.py, llmx/artifact/tensorrt.py): the runtime never imports this stage.
 """

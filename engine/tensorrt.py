@@ -5,7 +5,7 @@
       -> graphs converted to the engine precision (engine/precision.py), saved with weights.bin
       -> one engine per EngineSpec, built by a builder (engine/trt_build.py: Polygraphy)
       -> manifest: tensorrt = TensorRT version, GPU, precision, limits, profiles, engine files,
-         timing cache (llmx/engine_record.py); kv.dtype = the cache dtype the engines take
+         timing cache (llmx/artifact/tensorrt.py); kv.dtype = the cache dtype the engines take
 
 The ONNX graphs stay in the output, so ``--backend ort-cuda`` / ``ort-tensorrt`` (and
 ``ort-cpu``, slowly, for fp16) run the same precision; ``--onnx-only`` stops there.
@@ -28,15 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
-from llmx.artifact import copy_tokenizer, finish, staged_artifact
+from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
 from llmx.engine.precision import convert_graph, qdq_summary
 from llmx.engine.trt_profiles import EngineSpec, engine_specs
 from llmx.engine.trt_records import check_precision_supported, find_calibration_table
-from llmx.engine_record import TensorRTRecord
-from llmx.engine_shapes import BuildLimits
+from llmx.artifact.tensorrt import BuildLimits, TensorRTRecord
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest, load_manifest
-from llmx.onnx_files import describe_graph, load_graph, save_graphs
+from llmx.artifact.manifest import Manifest, load_manifest
+from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16", "int8", "fp8")
 FLOAT_OF = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -130,7 +129,7 @@ def plan_build(src: str | Path, precision: str = "auto", layout: str = "split", 
     manifest = load_manifest(src)
     facts = artifact_facts(src, manifest)
     resolved, convert, int8_source = resolve_precision(precision, facts)
-    limits = limits.resolve(manifest)
+    limits = limits.resolve(manifest.model)
     return BuildPlan(
         precision=resolved,
         convert_to=convert,

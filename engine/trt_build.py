@@ -24,8 +24,7 @@ from pathlib import Path
 from llmx.cuda import open_device
 from llmx.engine.trt_profiles import EngineSpec
 from llmx.engine.trt_records import default_timing_cache, major_version, read_calibration_table
-from llmx.engine_record import TENSORRT_HINT
-from llmx.engine_shapes import ProfileSpec
+from llmx.artifact.tensorrt import TENSORRT_HINT, ProfileSpec
 from llmx.errors import LlmxError, require
 
 

@@ -1,7 +1,7 @@
 """The engines a build produces for a layout, and their optimization profiles.
 
 The shapes themselves (limits, axis ranges, one profile per graph) are the contract's
-(llmx/engine_shapes.py): the runtime configures ONNX Runtime's TensorRT provider from the same
+(llmx/artifact/tensorrt.py): the runtime configures ONNX Runtime's TensorRT provider from the same
 functions. Layouts, to be chosen by measurement on the GPU (benchmarks/gpu_bench.py runs both):
 
 - ``split``: prefill.engine from the prefill graph (whole prompt, last-position logits only)
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmx.engine_shapes import LAYOUTS, BuildLimits, ProfileSpec, axis_ranges, graph_profile
+from llmx.artifact.tensorrt import LAYOUTS, BuildLimits, ProfileSpec, axis_ranges, graph_profile
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 
 @dataclass

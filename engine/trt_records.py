@@ -1,6 +1,6 @@
 """What a TensorRT build depends on and checks: the precision the GPU can run, the shared
 timing cache, and the INT8 calibration table llmx calibrate leaves behind. The record the
-build writes (and the runtime's compatibility check) is the contract's: llmx/engine_record.py.
+build writes (and the runtime's compatibility check) is the contract's: llmx/artifact/tensorrt.py.
 All of this is pure Python and tested with fake records.
 """
 
@@ -10,10 +10,10 @@ import json
 import struct
 from pathlib import Path
 
-from llmx.artifact_paths import artifact_file
-from llmx.engine_record import llmx_cache_dir, parse_cc
+from llmx.artifact.paths import artifact_file
+from llmx.artifact.tensorrt import llmx_cache_dir, parse_cc
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 # Lowest compute capability that runs each precision in TensorRT.
 PRECISION_MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (5, 3), "bf16": (8, 0), "int8": (6, 1), "fp8": (8, 9)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 KV_LAYOUT = {
     "layout": "batch,kv_heads,sequence,head_dim",
@@ -31,7 +31,7 @@ def export_checkpoint(
     log: Callable[[str], None] = lambda msg: None,
 ) -> Manifest:
     """Export a local HF checkpoint (decoder or encoder) or a GGUF file to an artifact directory; returns its manifest."""
-    from llmx.artifact import finish, staged_artifact
+    from llmx.artifact.staging import finish, staged_artifact
     from llmx.export.checkpoint import load_model, open_checkpoint
     from llmx.export.gguf import gguf_file
     from llmx.export.tokenizer import package_tokenizer
@@ -68,7 +68,7 @@ def export_checkpoint(
 
 def _export_decoder(model, tmp: Path, tokenizer: dict, all_logits: bool) -> Manifest:
     from llmx.export.onnx_export import export_decoder
-    from llmx.onnx_files import describe_graph, load_graph
+    from llmx.artifact.onnx_files import describe_graph, load_graph
 
     spec = model.spec
     export_decoder(model, tmp, all_logits=all_logits)
@@ -85,7 +85,7 @@ def _export_decoder(model, tmp: Path, tokenizer: dict, all_logits: bool) -> Mani
 
 def _export_encoder(model, tmp: Path, tokenizer: dict, all_logits: bool) -> Manifest:
     from llmx.export.encoder import export_encoder
-    from llmx.onnx_files import describe_graph, load_graph
+    from llmx.artifact.onnx_files import describe_graph, load_graph
 
     export_encoder(model, tmp)
     graphs = {"embed": describe_graph(load_graph(tmp / "embed.onnx"), "embed.onnx")}

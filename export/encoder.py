@@ -101,7 +101,7 @@ class Encoder(nn.Module):
 
 def export_encoder(model: Encoder, out_dir: Path) -> dict:
     from llmx.export.onnx_export import OPSET, _quiet_exporter, _strip_metadata
-    from llmx.onnx_files import load_graph, save_graphs
+    from llmx.artifact.onnx_files import load_graph, save_graphs
 
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     ids = torch.randint(0, model.spec.vocab_size, (2, 7))

@@ -21,7 +21,7 @@ import numpy as np
 
 from llmx.export.gguf import GGUFSource, open_gguf, unpermute_rows
 from llmx.export.gguf_blocks import BITS, Blocks, concat_rows, from_gguf, replace_matmuls
-from llmx.manifest import LineageEntry, Manifest, Precision, sha256_file
+from llmx.artifact.manifest import LineageEntry, Manifest, Precision, sha256_file
 
 # llmx linear weight -> the GGUF tensors stacked along its output axis.
 LINEAR_SOURCES = {
@@ -43,7 +43,7 @@ def export_gguf(
     log: Callable[[str], None] = lambda msg: None,
 ) -> Manifest:
     """Export the GGUF file ``path`` to an artifact directory; returns its manifest."""
-    from llmx.artifact import finish, staged_artifact
+    from llmx.artifact.staging import finish, staged_artifact
     from llmx.export import _export_decoder
     from llmx.export.checkpoint import build_model, map_weights
     from llmx.export.gguf_tokenizer import package_gguf_tokenizer
@@ -103,7 +103,7 @@ def _blocks(source: GGUFSource, names: list[str], spec) -> Blocks | None:
 
 
 def _write_quantized(fp32_dir: Path, tmp: Path, blocks: dict[str, Blocks]):
-    from llmx.onnx_files import describe_graph, load_graph, save_graphs
+    from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
     by_initializer = {f"model.{k}": v for k, v in blocks.items()} | blocks  # the exporter may prefix "model."
     graphs = {}

@@ -16,7 +16,7 @@ import torch
 
 from llmx.export.modules import Decoder, DecodeGraph, PrefillGraph
 from llmx.logits_to_keep import add_to_decode_graph
-from llmx.onnx_files import load_graph, save_graphs
+from llmx.artifact.onnx_files import load_graph, save_graphs
 from llmx.weight_names import graph_name, model_weights
 
 OPSET = 20

@@ -29,7 +29,7 @@ from llmx import logits_to_keep
 from llmx.errors import ArtifactError
 from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold, rope_table
 from llmx.spec import ModelSpec
-from llmx.manifest import GraphSpec
+from llmx.artifact.manifest import GraphSpec
 from llmx.weight_names import graph_name, layer_weights, model_weights
 from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
 from llmx.optimize.moe import check_moe_supported, moe_layer

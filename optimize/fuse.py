@@ -12,11 +12,11 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from llmx.artifact import copy_tokenizer, finish, staged_artifact
+from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
 from llmx.errors import ArtifactError, InputError
 from llmx.spec import ModelSpec
-from llmx.manifest import Manifest, load_manifest
-from llmx.onnx_files import describe_graph, save_graphs
+from llmx.artifact.manifest import Manifest, load_manifest
+from llmx.artifact.onnx_files import describe_graph, save_graphs
 from llmx.optimize.decoder import ACTIVATIONS, build_graph, check_supported
 from llmx.optimize.weights import SourceWeights
 

@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from llmx import logits_to_keep
 from llmx.errors import ArtifactError
-from llmx.onnx_files import load_graph
+from llmx.artifact.onnx_files import load_graph
 
 
 class SourceWeights:

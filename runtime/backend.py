@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 
 class Cache(Protocol):

@@ -149,7 +149,7 @@ def check_speculative(method: str, draft: str | None, num_tokens: int) -> None:
     if method == "draft":
         if draft is None:
             raise InputError("--speculative draft needs --draft ARTIFACT (a smaller model with the same tokenizer)")
-        from llmx.manifest import load_manifest
+        from llmx.artifact.manifest import load_manifest
 
         load_manifest(draft)  # a wrong path fails now, with the artifact error
 

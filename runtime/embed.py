@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact_paths import artifact_file
+from llmx.artifact.paths import artifact_file
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest, load_manifest
+from llmx.artifact.manifest import Manifest, load_manifest
 from llmx.runtime.onnx_backend import _ort, session_options
 from llmx.runtime.tokenizer import Tokenizer
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest, load_manifest
+from llmx.artifact.manifest import Manifest, load_manifest
 from llmx.runtime.backend import Backend
 from llmx.runtime.batch import Event
 from llmx.runtime.generate import generate

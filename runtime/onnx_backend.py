@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact_paths import artifact_file
+from llmx.artifact.paths import artifact_file
 from llmx.errors import ArtifactError, InputError, LlmxError, require
 from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 from llmx.runtime import huge_pages
 from llmx.runtime.cpu_plan import physical_cores, plan_threads
 from llmx.runtime.kv_cache import KVCache

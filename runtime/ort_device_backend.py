@@ -9,7 +9,7 @@ each way per step. ORT runs on llmx's CUDA stream (``user_compute_stream``), so 
 and llmx's copies are ordered.
 
 The TensorRT execution provider gets its optimization profiles from the same functions
-``llmx build`` uses (llmx/engine_shapes.py; limits from the manifest's engine record, or the
+``llmx build`` uses (llmx/artifact/tensorrt.py; limits from the manifest's engine record, or the
 defaults), and keeps engines and timing caches under llmx's cache directory, keyed by the
 graph's checksum.
 """
@@ -21,12 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact_paths import artifact_file
+from llmx.artifact.paths import artifact_file
 from llmx.cuda import open_device
-from llmx.engine_record import llmx_cache_dir
-from llmx.engine_shapes import axis_ranges, graph_profile, ort_trt_profile_options
+from llmx.artifact.tensorrt import axis_ranges, graph_profile, llmx_cache_dir, ort_trt_profile_options
 from llmx.errors import ArtifactError, InputError, LlmxError
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, scratch_presents, take_prompts
 from llmx.runtime.onnx_backend import PROVIDERS, _ort, session_options
 from llmx.runtime.ort_cuda_graph import CudaGraphDecode

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact_paths import artifact_file
+from llmx.artifact.paths import artifact_file
 from llmx.cuda import ALIGN, open_device
-from llmx.engine_record import TENSORRT_HINT, TensorRTRecord, check_engine_compatible
+from llmx.artifact.tensorrt import TENSORRT_HINT, TensorRTRecord, check_engine_compatible
 from llmx.errors import ArtifactError, InputError, require
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, scratch_presents, take_prompts
 from llmx.runtime.kv_cache import round_up
 from llmx.runtime.step_inputs import decode_inputs, prompt_inputs

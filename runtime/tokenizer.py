@@ -12,9 +12,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from llmx.artifact_paths import artifact_file
+from llmx.artifact.paths import artifact_file
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import Manifest
+from llmx.artifact.manifest import Manifest
 
 _REPLACEMENT = "\ufffd"
 

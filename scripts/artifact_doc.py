@@ -16,19 +16,18 @@ import re
 import sys
 from pathlib import Path
 
-from llmx.engine_record import DeviceRecord, EngineFile, TensorRTRecord
-from llmx.engine_shapes import BuildLimits, ProfileSpec
-from llmx.manifest import READABLE_VERSIONS, SCHEMA_VERSION, Manifest
-from llmx.schema import describe, hints
-from llmx.sections import GraphSpec, KVLayout, LineageEntry, Precision, TensorSpec, TokenizerSection
+from llmx.artifact.tensorrt import BuildLimits, DeviceRecord, EngineFile, ProfileSpec, TensorRTRecord
+from llmx.artifact.manifest import READABLE_VERSIONS, SCHEMA_VERSION, Manifest
+from llmx.artifact.schema import describe, hints
+from llmx.artifact.sections import GraphSpec, KVLayout, LineageEntry, Precision, TensorSpec, TokenizerSection
 from llmx.spec import ModelSpec
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "artifact.md"
 
 # (where in llmx.json, class, what it is, writer, readers)
 SECTIONS = [
-    ("llmx.json", Manifest, "The manifest: the one contract between stages.", "every stage, last (llmx/artifact.py finish)",
-     "every stage and backend, through llmx.manifest.load_manifest"),
+    ("llmx.json", Manifest, "The manifest: the one contract between stages.", "every stage, last (llmx/artifact/staging.py finish)",
+     "every stage and backend, through llmx.artifact.manifest.load_manifest"),
     ("model", ModelSpec, "The architecture, read from the checkpoint's config.json (llmx/spec.py).", "export",
      "optimize (builds the fused graph from it), the runtime (vocab size, limits), calibrate, build"),
     ("tokenizer", TokenizerSection, "The tokenizer files and special tokens.", "export (export/tokenizer.py)",
@@ -49,7 +48,7 @@ SECTIONS = [
     ("tensorrt.engines.NAME", EngineFile, "One serialized engine (split: prefill and decode; shared: model).", "build",
      "the tensorrt backend"),
     ("tensorrt.engines.NAME.profiles[]", ProfileSpec, "One optimization profile: input name -> [min, opt, max] shapes.",
-     "build (llmx/engine_shapes.py)", "people and tests; the runtime recomputes them from the limits"),
+     "build (llmx/artifact/tensorrt.py)", "people and tests; the runtime recomputes them from the limits"),
     ("lineage[]", LineageEntry, "One stage applied to the artifact, oldest first; on disk the details sit beside `stage`.",
      "every stage (Manifest.with_stage)", "inspect, bench, optimize (refuses an optimized source)"),
 ]
@@ -63,7 +62,7 @@ An artifact is a directory: graph files, `weights.bin`, a `tokenizer/` folder an
 Every stage reads an artifact and writes a new one; the manifest is all they share.
 
 **Validation.** `load_manifest` checks every field against its declared type when an artifact
-loads (llmx/schema.py: the types come from the classes below, so a new field is checked with no
+loads (llmx/artifact/schema.py: the types come from the classes below, so a new field is checked with no
 further code), then what types cannot say: the KV layout agrees with the model, the graphs a
 kind needs exist and carry the KV tensors and logits, token ids are below the vocabulary size,
 engines name graphs of the artifact. Numbers must be finite and integers within 2**53. A bad
@@ -73,7 +72,7 @@ manifest ends in one line naming the field, e.g.
 **Paths.** An artifact is downloaded and copied between machines, so it is untrusted input.
 Every path it names (type `a path inside the artifact` below, and every `checksums` key) must be
 relative, without `..`, and may not resolve through a symlink to a place outside the artifact
-directory; `llmx.artifact_paths.artifact_file` is the one door every reader opens files through.
+directory; `llmx.artifact.paths.artifact_file` is the one door every reader opens files through.
 
 **Schema versions.** This llmx writes version {SCHEMA_VERSION} and reads {', '.join(map(str, READABLE_VERSIONS))}. Version 1 (before
 typed sections) is migrated on load: `extras.tensorrt` becomes `tensorrt`, an encoder's empty

@@ -65,7 +65,7 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     name = model_name or Path(artifact or engine.artifact).resolve().name
     if engine is None:
-        from llmx.manifest import load_manifest
+        from llmx.artifact.manifest import load_manifest
         from llmx.runtime.engine import Engine, engine_options
 
         manifest = load_manifest(artifact)  # a wrong path fails here, loudly, not later in the scheduler thread

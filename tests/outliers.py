@@ -19,10 +19,10 @@ CHANNELS = (3, 77, 190)
 def plant_outliers(src: Path, out: Path, layers: tuple[int, ...], factor: float = 80.0,
                    norm: str = "attn_norm", matmul: str = "attn.qkv") -> list[str]:
     """Copy artifact ``src`` to ``out`` with outliers before ``layers``; returns the planted MatMuls' weights."""
-    from llmx.artifact import copy_tokenizer, finish
+    from llmx.artifact.staging import copy_tokenizer, finish
     from llmx.calibration.matmuls import initializers, read_array, replace_initializer
-    from llmx.manifest import load_manifest
-    from llmx.onnx_files import describe_graph, load_graph, save_graphs
+    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
     manifest = load_manifest(src)
     models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}

@@ -34,9 +34,9 @@ def make_qdq_artifact(src: Path, out: Path) -> Path:
     import onnx
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-    from llmx.artifact import copy_tokenizer, finish, staged_artifact
-    from llmx.manifest import load_manifest
-    from llmx.onnx_files import describe_graph, load_graph, save_graphs
+    from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
+    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
     class Reader(CalibrationDataReader):
         def __init__(self, feeds):

@@ -7,9 +7,9 @@ import json
 import onnx
 import pytest
 
-from llmx.artifact import finish, staged_artifact
+from llmx.artifact.staging import finish, staged_artifact
 from llmx.errors import ArtifactError
-from llmx.manifest import MANIFEST_NAME, load_manifest
+from llmx.artifact.manifest import MANIFEST_NAME, load_manifest
 
 
 def test_manifest_describes_graphs_kv_and_tokenizer(llama_artifact):

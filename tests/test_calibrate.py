@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from llmx.calibration import CalibrationOptions, calibrate_artifact
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
 from test_cli import error_line, leftovers, run
@@ -167,8 +167,8 @@ def test_cli_calibrate_prints_the_report_and_json(store, calib_text, tmp_path, c
 def contrib_ops_artifact(store, tmp_path_factory) -> Path:
     """The tiny Llama with com.microsoft ops (ONNX Runtime's own fusions) and no value_info: what
     shape inference cannot see through, as in graphs from the optimize stage."""
-    from llmx.artifact import finish
-    from llmx.onnx_files import describe_graph, load_graph, save_graphs
+    from llmx.artifact.staging import finish
+    from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
     src, work = store.artifact("llama"), tmp_path_factory.mktemp("ortopt")
     out = work / "art"

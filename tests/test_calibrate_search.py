@@ -15,7 +15,7 @@ import pytest
 
 from llmx.calibration import CalibrationOptions, calibrate_artifact
 from llmx.calibration.search import SearchSpace
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from outliers import plant_outliers
 from test_cli import error_line, leftovers, run
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llmx.errors import InputError
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.runtime import cpu_plan
 from llmx.runtime.cpu_plan import cpu_times, idle_per_cpu, plan_threads, sample_idle
 from llmx.runtime.onnx_backend import OrtBackend

@@ -58,7 +58,7 @@ def test_calibrate_w8_on_a_new_family(store, tmp_path):
                        CalibrationOptions(scheme="w8", block_size=16, samples=2, seq_len=32, eval_samples=2, threads=1))
     import onnx
 
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
 
     assert load_manifest(out).precision.scheme == "w8"
     decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)

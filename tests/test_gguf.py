@@ -48,7 +48,7 @@ def ggufs(store, tmp_path_factory):
 def session(artifact: Path, graph: str = "prefill", model=None):
     import onnxruntime as ort
 
-    from llmx.onnx_files import load_graph
+    from llmx.artifact.onnx_files import load_graph
 
     model = model if model is not None else load_graph(artifact / f"{graph}.onnx", with_weights=True)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -62,7 +62,7 @@ def prefill_logits(sess, ids: list[int]) -> np.ndarray:
 
 
 def prompt_ids(artifact: Path) -> list[int]:
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.tokenizer import Tokenizer
 
     return Tokenizer(artifact, load_manifest(artifact)).encode(PROMPT)
@@ -108,7 +108,7 @@ def test_gguf_tokenizer_and_chat_template_match_the_checkpoints(ggufs, store):
     original = Tokenizer.from_file(str(store.checkpoint("llama") / "tokenizer.json"))
     text = "import json\n<|user|>hello  world\t\u00e9t\u00e9 🙂</s>"
     assert prompt_ids(artifact)[0] == 1  # add_bos_token: <s> first
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.tokenizer import Tokenizer as Ours
 
     ours = Ours(artifact, load_manifest(artifact))
@@ -125,7 +125,7 @@ def _dequantized_reference(fp32_artifact: Path, spec: dict, qtype: str, store):
     from onnx import numpy_helper
 
     from llmx.export.checkpoint import map_weights
-    from llmx.onnx_files import load_graph
+    from llmx.artifact.onnx_files import load_graph
     from llmx.spec import ModelSpec
 
     hf = {k: torch.from_numpy(v) for k, v in dequantized(store.checkpoint("llama"), qtype).items()}
@@ -143,7 +143,7 @@ def _dequantized_reference(fp32_artifact: Path, spec: dict, qtype: str, store):
 
 def _exact_kernels(artifact: Path):
     """The artifact's prefill with MatMulNBits at accuracy_level 0 (fp32 activations)."""
-    from llmx.onnx_files import load_graph
+    from llmx.artifact.onnx_files import load_graph
 
     model = load_graph(artifact / "prefill.onnx", with_weights=True)
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
@@ -154,7 +154,7 @@ def _exact_kernels(artifact: Path):
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_quantized_gguf_keeps_its_blocks_no_requantization_error(qtype, ggufs, store):
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
 
     path, artifact = ggufs(qtype)
     _, fp32 = ggufs("F32")

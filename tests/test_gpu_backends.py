@@ -16,9 +16,9 @@ import pytest
 
 from fake_gpu import FakeBuilder, HostDevice, make_fake_tensorrt
 from llmx.errors import ArtifactError, InputError, LlmxError
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.engine.tensorrt import build_artifact, plan_build
-from llmx.engine_shapes import BuildLimits
+from llmx.artifact.tensorrt import BuildLimits
 from llmx.runtime.device_cache import DeviceKVCache
 from llmx.runtime.engine import Engine
 from llmx.runtime.generate import generate

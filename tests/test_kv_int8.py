@@ -17,7 +17,7 @@ import pytest
 
 from llmx.calibration.kv_int8 import QMAX, kv_names, quantize_kv_artifact
 from llmx.errors import InputError
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.runtime.engine import Engine
 from llmx.runtime.generate import generate
 from llmx.runtime.sampling import SamplingParams

@@ -12,8 +12,8 @@ import onnxruntime as ort
 import pytest
 
 from llmx import logits_to_keep
-from llmx.manifest import load_manifest
-from llmx.onnx_files import describe_graph
+from llmx.artifact.manifest import load_manifest
+from llmx.artifact.onnx_files import describe_graph
 from llmx.runtime.chunked_prefill import ChunkedPrefill
 from llmx.runtime.engine import Engine
 from llmx.runtime.generate import generate

@@ -17,7 +17,7 @@ import pytest
 
 from checkpoints import make_checkpoint
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.runtime.onnx_backend import OrtBackend
 from test_cli import error_line, run
 
@@ -73,7 +73,7 @@ def test_cli_flag_reaches_the_backend_and_is_checked(llama_artifact, capsys):
 _MEMORY = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.onnx_backend import OrtBackend
 
     def anon_mb():
@@ -128,7 +128,7 @@ def test_server_loads_its_engine_in_low_memory_mode(llama_artifact):
 _TRUNCATE = textwrap.dedent("""
     import os, sys
     import numpy as np
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.onnx_backend import OrtBackend
     from llmx.errors import ArtifactError
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from llmx.artifact_paths import artifact_file
+from llmx.artifact.paths import artifact_file
 from llmx.errors import ArtifactError
-from llmx.manifest import MANIFEST_NAME, SCHEMA_VERSION, load_manifest, parse_manifest
+from llmx.artifact.manifest import MANIFEST_NAME, SCHEMA_VERSION, load_manifest, parse_manifest
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
-from llmx.schema import ArtifactPath, FieldError, convert
+from llmx.artifact.schema import ArtifactPath, FieldError, convert
 from test_cli import error_line, run
 
 V1 = Path(__file__).parent / "data" / "manifest_v1.json"  # written by llmx before typed sections (schema 1)
@@ -137,7 +137,7 @@ def test_a_null_default_is_valid_however_the_field_is_annotated():
     """A field written ``x: float = None`` (a later ModelSpec field, say) still loads at its default."""
     import dataclasses
 
-    from llmx.schema import from_json
+    from llmx.artifact.schema import from_json
 
     @dataclasses.dataclass
     class Section:

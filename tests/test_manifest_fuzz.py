@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from fake_gpu import FakeBuilder
 from llmx.cli import main
 from llmx.engine.tensorrt import build_artifact, plan_build
-from llmx.engine_shapes import BuildLimits
-from llmx.manifest import MANIFEST_NAME, Manifest
-from llmx.schema import ArtifactPath, hints
+from llmx.artifact.tensorrt import BuildLimits
+from llmx.artifact.manifest import MANIFEST_NAME, Manifest
+from llmx.artifact.schema import ArtifactPath, hints
 
 COMMANDS = {
     "inspect": lambda art, tmp: ["inspect", str(art)],

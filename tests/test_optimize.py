@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from conftest import VARIANTS
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.runtime.engine import Engine
 from test_cli import error_line, leftovers, run
 from test_parity import PROMPTS, TOL, hf_logits

@@ -165,7 +165,7 @@ def test_prefix_cache_off_reports_zero(llama_artifact):
 
 
 def test_the_default_size_follows_the_model_not_a_fixed_256_mb(llama_artifact):
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.serve.prefix_cache import DEFAULT_CAP_BYTES, default_bytes
     from llmx.serve.service import build_service
 

@@ -13,13 +13,12 @@ import pytest
 
 from fake_gpu import FakeBuilder
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.engine.tensorrt import ArtifactFacts, build_artifact, plan_build, resolve_precision
 from llmx.engine.trt_profiles import engine_specs
 from llmx.engine.trt_records import (check_precision_supported, default_timing_cache, find_calibration_table,
                                      read_calibration_table)
-from llmx.engine_record import TensorRTRecord, check_engine_compatible
-from llmx.engine_shapes import BuildLimits, default_prefill_chunk, graph_profile, ort_trt_profile_options
+from llmx.artifact.tensorrt import BuildLimits, check_engine_compatible, default_prefill_chunk, graph_profile, ort_trt_profile_options, TensorRTRecord
 from test_cli import error_line, run
 
 # -- profiles ---------------------------------------------------------------------------------------
@@ -27,7 +26,7 @@ from test_cli import error_line, run
 
 def test_split_layout_profiles_cover_prefill_and_decode_shapes(llama_artifact):
     manifest = load_manifest(llama_artifact)  # tiny llama: 2 layers, 2 KV heads, head_dim 16, max 256
-    limits = BuildLimits(max_batch=8, max_seq_len=128, max_decode_tokens=4, opt_batch=2).resolve(manifest)
+    limits = BuildLimits(max_batch=8, max_seq_len=128, max_decode_tokens=4, opt_batch=2).resolve(manifest.model)
     prefill, decode = engine_specs(manifest, limits, "split")
     assert (prefill.file, decode.file) == ("prefill.engine", "decode.engine")
     (p,), (d,) = prefill.profiles, decode.profiles
@@ -41,7 +40,7 @@ def test_split_layout_profiles_cover_prefill_and_decode_shapes(llama_artifact):
 
 def test_shared_layout_is_one_engine_with_a_prefill_and_a_decode_profile(llama_artifact):
     manifest = load_manifest(llama_artifact)
-    limits = BuildLimits(max_batch=4, max_seq_len=64, prefill_chunk=32).resolve(manifest)
+    limits = BuildLimits(max_batch=4, max_seq_len=64, prefill_chunk=32).resolve(manifest.model)
     (engine,) = engine_specs(manifest, limits, "shared")
     assert (engine.file, engine.graph) == ("model.engine", "decode")
     prefill, decode = engine.profiles
@@ -65,11 +64,11 @@ def test_an_unknown_dynamic_axis_is_a_clear_error(llama_artifact):
 ])
 def test_limits_out_of_range_are_refused(llama_artifact, limits, message):
     with pytest.raises(InputError, match=message):
-        limits.resolve(load_manifest(llama_artifact))
+        limits.resolve(load_manifest(llama_artifact).model)
 
 
 def test_default_limits_follow_the_model(llama_artifact):
-    limits = BuildLimits().resolve(load_manifest(llama_artifact))
+    limits = BuildLimits().resolve(load_manifest(llama_artifact).model)
     assert (limits.max_seq_len, limits.opt_seq_len, limits.max_batch) == (256, 256, 8)
 
 
@@ -81,7 +80,7 @@ def test_default_prefill_chunk_bounds_the_logits_buffer():
 
 def test_ort_tensorrt_provider_profile_syntax(llama_artifact):
     manifest = load_manifest(llama_artifact)
-    (spec,) = engine_specs(manifest, BuildLimits(max_batch=2, max_seq_len=32).resolve(manifest), "split")[:1]
+    (spec,) = engine_specs(manifest, BuildLimits(max_batch=2, max_seq_len=32).resolve(manifest.model), "split")[:1]
     options = ort_trt_profile_options(spec.profiles[0])
     assert options["trt_profile_min_shapes"] == "input_ids:1x1,attention_mask:1x1,position_ids:1x1"
     assert options["trt_profile_max_shapes"] == "input_ids:2x32,attention_mask:2x32,position_ids:2x32"
@@ -91,7 +90,7 @@ def test_profiles_become_polygraphy_profiles(llama_artifact):
     from llmx.engine.trt_build import polygraphy_profile
 
     manifest = load_manifest(llama_artifact)
-    spec = engine_specs(manifest, BuildLimits(max_batch=2, max_seq_len=32).resolve(manifest), "split")[1]
+    spec = engine_specs(manifest, BuildLimits(max_batch=2, max_seq_len=32).resolve(manifest.model), "split")[1]
     profile = polygraphy_profile(spec.profiles[0])
     shape = profile["past_key_values.0.key"]
     assert (tuple(shape.min), tuple(shape.opt), tuple(shape.max)) == ((1, 2, 1, 16), (1, 2, 32, 16), (2, 2, 32, 16))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from llmx.engine.tensorrt import build_artifact, plan_build
-from llmx.engine_shapes import BuildLimits
+from llmx.artifact.tensorrt import BuildLimits
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
 
@@ -86,7 +86,7 @@ def step_logits(backend, prompts: list[list[int]], steps: int = 16) -> list[np.n
 @pytest.mark.parametrize("layout", ["split", "shared"])
 def test_engines_build_and_record_this_gpu_and_tensorrt(trt, built, layout):
     from llmx.cuda import open_device
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
 
     art = built("fp16", layout)
     record = load_manifest(art).tensorrt
@@ -175,7 +175,7 @@ def test_ort_cuda_backend_matches_the_cpu_backend(built, llama_artifact, precisi
 def test_ort_cuda_graph_decode_equals_plain_steps(llama_artifact):
     """ort-cuda captures portable decode steps as CUDA graphs by default; they must give what
     plain steps give (checked on an H100 with benchmarks/gpu_verify.py, 2026-11-23)."""
-    from llmx.manifest import load_manifest
+    from llmx.artifact.manifest import load_manifest
     from llmx.runtime.ort_device_backend import OrtDeviceBackend
 
     manifest = load_manifest(llama_artifact)

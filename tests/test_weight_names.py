@@ -12,7 +12,7 @@ import pytest
 
 from conftest import VARIANTS
 from llmx.errors import ArtifactError
-from llmx.manifest import load_manifest
+from llmx.artifact.manifest import load_manifest
 from llmx.optimize.weights import SourceWeights
 from llmx.spec import ModelSpec, spec_from_hf_config
 from llmx.weight_names import all_weights, graph_name, layer_weights, model_weights

@@ -14,7 +14,7 @@ PRECISION_HELP = (
 
 def register(cli: click.Group) -> None:
     from llmx.engine.tensorrt import PRECISIONS
-    from llmx.engine_shapes import LAYOUTS
+    from llmx.artifact.tensorrt import LAYOUTS
 
     @cli.command("build")
     @click.argument("artifact", type=click.Path(path_type=Path))
@@ -47,7 +47,7 @@ def register(cli: click.Group) -> None:
         records the TensorRT version and GPU; engines refuse to load anywhere else.
         """
         from llmx.engine.tensorrt import build_artifact, plan_build
-        from llmx.engine_shapes import BuildLimits
+        from llmx.artifact.tensorrt import BuildLimits
 
         limits = BuildLimits(max_batch, max_seq_len, max_decode_tokens, prefill_chunk, opt_batch)
         plan = plan_build(artifact, precision, layout, limits)

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import click
 
-from llmx.artifact_paths import artifact_file
+from llmx.artifact.paths import artifact_file
 from llmx.errors import ArtifactError
-from llmx.manifest import MANIFEST_NAME, load_manifest, verify_checksums
+from llmx.artifact.manifest import MANIFEST_NAME, load_manifest, verify_checksums
 
 
 def _size(n: int) -> str:

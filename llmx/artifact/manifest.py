@@ -4,7 +4,7 @@ An artifact directory holds graph files, a ``tokenizer/`` folder and this manife
 manifest says what the model is (``model``: a ModelSpec), which graphs exist and their exact
 IO, how the KV cache is laid out, the tokenizer's special tokens, the precision, the TensorRT
 engines built for it, the stages applied (lineage) and a checksum per file. Each section is a
-typed object (llmx/sections.py, llmx/engine_record.py); loading checks every field and every
+typed object (llmx/artifact/sections.py, llmx/artifact/tensorrt.py); loading checks every field and every
 path, and a bad one ends in one error line that names it. docs/artifact.md describes them.
 """
 
@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llmx import __version__
-from llmx.artifact_paths import artifact_file
-from llmx.engine_record import TensorRTRecord
-from llmx.engine_shapes import BuildLimits
+from llmx.artifact.paths import artifact_file
+from llmx.artifact.tensorrt import BuildLimits, TensorRTRecord
 from llmx.errors import ArtifactError
-from llmx.schema import ArtifactPath, FieldError, from_json, render, to_json
-from llmx.sections import GraphSpec, KVLayout, LineageEntry, Precision, TensorSpec, TokenizerSection
+from llmx.artifact.schema import ArtifactPath, FieldError, from_json, render, to_json
+from llmx.artifact.sections import GraphSpec, KVLayout, LineageEntry, Precision, TensorSpec, TokenizerSection
 from llmx.spec import ModelSpec
 
 MANIFEST_NAME = "llmx.json"
@@ -165,7 +164,7 @@ class Manifest:
     def engine_limits(self) -> BuildLimits:
         """The limits the TensorRT engines were built for; without engines, those `llmx build`
         would use by default (the ort-tensorrt provider builds its engines for them)."""
-        return self.tensorrt.limits if self.tensorrt is not None else BuildLimits().resolve(self)
+        return self.tensorrt.limits if self.tensorrt is not None else BuildLimits().resolve(self.model)
 
     def stage_applied(self, stage: str) -> LineageEntry | None:
         return next((s for s in reversed(self.lineage) if s.stage == stage), None)

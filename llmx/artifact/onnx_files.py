@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.manifest import GraphSpec, TensorSpec
+from llmx.artifact.manifest import GraphSpec, TensorSpec
 
 IR_VERSION = 10  # ONNX Runtime 1.2x-1.31 and TensorRT 10 read it; onnx 1.23 would write 14
 WEIGHTS_FILE = "weights.bin"

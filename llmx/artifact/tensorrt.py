@@ -1,28 +1,32 @@
-"""The shapes TensorRT engines accept: build limits and optimization profiles, as pure
-functions of the manifest (checked without a GPU). ``llmx build`` builds engines for them;
-the ``ort-tensorrt`` and ``tensorrt`` backends read them back: one source for both.
+"""The manifest's ``tensorrt`` section: what ``llmx build`` built, for which shapes, and where it can run.
 
-With no profile TensorRT fixes every dynamic dimension to 1, so each graph input gets a
+Shapes. With no profile TensorRT fixes every dynamic dimension to 1, so each graph input gets a
 (min, opt, max) shape. The graphs name their dynamic axes (``batch``, ``sequence``,
 ``new_tokens``, ``total_length``, ``capacity``); a range per axis name gives every input's
-shapes at once.
+shapes at once. These are pure functions of the manifest (checked without a GPU): ``llmx
+build`` builds engines for them and the ``ort-tensorrt`` and ``tensorrt`` backends read them
+back, one source for both. Two layouts: ``split`` (prefill.engine from the prefill graph,
+decode.engine from the decode graph) and ``shared`` (one engine from the decode graph with a
+prefill-chunk profile and a decode profile, as NVIDIA's GPT-2 demo did: weights on the device
+once).
 
-Two layouts: ``split`` (prefill.engine from the prefill graph, decode.engine from the decode
-graph) and ``shared`` (one engine from the decode graph with a prefill-chunk profile and a
-decode profile, as NVIDIA's GPT-2 demo did: weights on the device once).
+Record. An engine runs only on the TensorRT version that built it and on GPUs of the same
+compute capability, so the build records both and the runtime refuses a mismatch with a
+message that says to rebuild, instead of TensorRT's deserialization error. Writer: the engine
+stage (``llmx build``); readers: the ``tensorrt`` and ``ort-tensorrt`` backends, ``llmx inspect``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
+from llmx.artifact.schema import ArtifactPath, FieldError, render
+from llmx.artifact.sections import GraphSpec, Section
 from llmx.errors import ArtifactError, InputError
-from llmx.schema import FieldError
-from llmx.sections import GraphSpec, Section
-
-if TYPE_CHECKING:
-    from llmx.manifest import Manifest
+from llmx.spec import ModelSpec
 
 LAYOUTS = ("split", "shared")
 LOGITS_BUDGET = 256 << 20  # bytes of fp32 logits one shared-layout prefill chunk may produce
@@ -41,8 +45,8 @@ class BuildLimits(Section):
     opt_batch: int = 1  # batch size TensorRT tunes kernels for
     opt_seq_len: int | None = None  # default: min(max_seq_len, 512)
 
-    def resolve(self, manifest: Manifest) -> BuildLimits:
-        model_max = manifest.max_seq_len
+    def resolve(self, model: ModelSpec) -> BuildLimits:
+        model_max = model.max_position_embeddings
         seq = self.max_seq_len if self.max_seq_len is not None else min(model_max, DEFAULT_MAX_SEQ_LEN)
         if seq < 2 or seq > model_max:
             raise InputError(f"--max-seq-len must be between 2 and the model's maximum {model_max}, got {seq}")
@@ -52,7 +56,7 @@ class BuildLimits(Section):
             raise InputError(f"--max-decode-tokens must be between 1 and {seq}, got {self.max_decode_tokens}")
         if not 1 <= self.opt_batch <= self.max_batch:
             raise InputError(f"--opt-batch must be between 1 and --max-batch {self.max_batch}, got {self.opt_batch}")
-        chunk = self.prefill_chunk or default_prefill_chunk(self.max_batch, manifest.model.vocab_size, seq)
+        chunk = self.prefill_chunk or default_prefill_chunk(self.max_batch, model.vocab_size, seq)
         if not 1 <= chunk <= seq:
             raise InputError(f"--prefill-chunk must be between 1 and {seq}, got {chunk}")
         opt_seq = min(self.opt_seq_len or DEFAULT_OPT_SEQ_LEN, seq)
@@ -130,3 +134,86 @@ def ort_trt_profile_options(profile: ProfileSpec) -> dict[str, str]:
         key: ",".join(f"{name}:{'x'.join(map(str, shapes[i]))}" for name, shapes in profile.shapes.items())
         for i, key in enumerate(keys)
     }
+
+
+# -- the record of a build ----------------------------------------------------------------------
+TENSORRT_HINT = "on a machine with an NVIDIA GPU: pip install 'llmx[tensorrt]' tensorrt-cu12 (tensorrt-cu13 for CUDA 13)"
+ENGINES_OF_LAYOUT = {"split": ("prefill", "decode"), "shared": ("model",)}
+
+
+@dataclass
+class DeviceRecord(Section):
+    """The GPU an engine was built on (llmx.cuda.CudaDevice.record)."""
+
+    name: str
+    compute_capability: str  # "8.9"
+    memory_bytes: int | None = None
+
+    def check(self, where: str) -> None:
+        major, _, minor = self.compute_capability.partition(".")
+        if not (major.isdigit() and (minor.isdigit() or not minor)):
+            raise FieldError(f"{where}.compute_capability", f"must look like \"8.9\", got {render(self.compute_capability)}")
+
+
+@dataclass
+class EngineFile(Section):
+    """One serialized engine and the optimization profiles it was built with."""
+
+    file: ArtifactPath  # the serialized engine
+    graph: str  # the manifest graph it was built from
+    profiles: list[ProfileSpec] = field(default_factory=list)  # in the order of the engine's profiles
+    bytes: int | None = None
+    io_dtypes: dict[str, str] = field(default_factory=dict)  # TensorRT's names: FLOAT, HALF, INT64
+
+
+@dataclass
+class TensorRTRecord(Section):
+    version: str  # TensorRT version that built the engines
+    device: DeviceRecord  # the GPU it was built on (section `tensorrt.device`)
+    precision: str  # fp32 | tf32 | fp16 | bf16 | int8 | fp8
+    layout: Literal["split", "shared"]  # split: prefill + decode engines; shared: one engine, two profiles
+    limits: BuildLimits  # resolved: every field set
+    engines: dict[str, EngineFile]  # split: prefill + decode; shared: model
+    strongly_typed: bool = True
+    int8_source: str | None = None  # "qdq" | "calibration_table"
+    timing_cache: dict[str, Any] = field(default_factory=dict)  # where build timings were cached (outside the artifact)
+    build_seconds: float = 0.0
+
+    def check(self, where: str) -> None:
+        want = set(ENGINES_OF_LAYOUT[self.layout])
+        if set(self.engines) != want:
+            raise FieldError(f"{where}.engines", f"of the {self.layout} layout must be {' and '.join(sorted(want))}, "
+                                                 f"got {render(sorted(self.engines))}")
+
+
+def parse_cc(cc: str | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(cc, tuple):
+        return cc
+    major, _, minor = str(cc).partition(".")
+    return int(major), int(minor or 0)
+
+
+def check_engine_compatible(record: TensorRTRecord, trt_version: str, device: dict) -> list[str]:
+    """Raise ArtifactError if engines built as ``record`` cannot run here; return warnings."""
+    built, where = record.version, record.device
+    if built != trt_version:
+        raise ArtifactError(
+            f"engines were built with TensorRT {built}, this machine has {trt_version}; "
+            "rebuild them here with `llmx build`"
+        )
+    if parse_cc(where.compute_capability) != parse_cc(device["compute_capability"]):
+        raise ArtifactError(
+            f"engines were built for {where.name} (compute capability {where.compute_capability}), "
+            f"this GPU is {device['name']} ({device['compute_capability']}); rebuild them here with `llmx build`"
+        )
+    if where.name != device["name"]:
+        # Same architecture: TensorRT loads the engine, but its tactics were timed elsewhere.
+        return [f"engines were built on {where.name}, running on {device['name']} (same compute capability)"]
+    return []
+
+
+def llmx_cache_dir() -> Path:
+    """Where llmx keeps caches that outlive an artifact (timing caches, ORT TensorRT engines)."""
+    if os.environ.get("LLMX_CACHE_DIR"):
+        return Path(os.environ["LLMX_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmx"

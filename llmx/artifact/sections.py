@@ -2,7 +2,7 @@
 
 Written by the stage named on each class, read by the stages after it; docs/artifact.md
 describes every field (a test keeps it in step with these classes). Field types are checked
-when an artifact loads (llmx/schema.py); ``check`` methods add what a type cannot say.
+when an artifact loads (llmx/artifact/schema.py); ``check`` methods add what a type cannot say.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from llmx.schema import ArtifactPath, FieldError, from_json, render, to_json
+from llmx.artifact.schema import ArtifactPath, FieldError, from_json, render, to_json
 
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
 ORT_LEVELS = ("none", "basic", "extended", "all")

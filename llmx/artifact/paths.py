@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmx.errors import ArtifactError
-from llmx.schema import check_relative_path, render
+from llmx.artifact.schema import check_relative_path, render
 
 
 def artifact_file(root: str | Path, rel: str, field: str = "file") -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from llmx.errors import ArtifactError, InputError
-from llmx.manifest import MANIFEST_NAME, Manifest, checksum_tree
+from llmx.artifact.manifest import MANIFEST_NAME, Manifest, checksum_tree
 
 
 @contextlib.contextmanager
