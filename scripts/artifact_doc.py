@@ -33,7 +33,7 @@ SECTIONS = [
     ("tokenizer", TokenizerSection, "The tokenizer files and special tokens.", "export (export/tokenizer.py)",
      "the runtime tokenizer (generate, serve, embed), calibrate"),
     ("graphs.NAME", GraphSpec, "One ONNX graph and its exact IO: prefill and decode (decoders) or embed (encoders).",
-     "export; optimize, calibrate and build rewrite them (llmx/onnx_files.describe_graph)", "every backend, calibrate, build"),
+     "export; optimize, calibrate and build rewrite them (llmx/artifact/onnx_files.py describe_graph)", "every backend, calibrate, build"),
     ("graphs.NAME.inputs[], outputs[]", TensorSpec, "One graph input or output.", "as graphs", "as graphs"),
     ("kv", KVLayout, "How the KV cache's past/present tensors are named and laid out (decoders; null for encoders).",
      "export; calibrate (int8 cache), build (fp16/bf16 cache)", "every backend, calibrate"),
@@ -60,6 +60,26 @@ INTRO = f"""# The artifact contract (`llmx.json`)
 An artifact is a directory: graph files, `weights.bin`, a `tokenizer/` folder and the manifest
 `llmx.json`, written last (a temp dir renamed into place, so nothing is ever half-written).
 Every stage reads an artifact and writes a new one; the manifest is all they share.
+
+**The package.** The contract is one package, `llmx/artifact/`:
+
+| file | holds |
+|---|---|
+| `handle.py` | `Artifact`, the handle every stage, backend and the tokenizer take |
+| `manifest.py` | `Manifest`: load (every field and path checked), validate, save; checksums |
+| `sections.py` | the manifest's typed sections: graphs and their IO, KV layout, precision, tokenizer, lineage |
+| `schema.py` | JSON to typed sections and back, with one error line naming a bad field |
+| `tensorrt.py` | the `tensorrt` section: build limits, optimization profiles, the engine record |
+| `paths.py` | `artifact_file`: a path the manifest names, resolved inside the artifact and nowhere else |
+| `staging.py` | writing an artifact atomically: `staged_artifact` (temp dir, rename) and `finish` (checksums, manifest last) |
+| `onnx_files.py` | saving graphs with one shared `weights.bin`, describing their IO (needs `onnx`) |
+
+**The handle.** `Artifact.open(path)` reads and checks the manifest once and returns the handle:
+`.root` (the directory), `.manifest`, `.file(rel)` (a file the manifest names, through
+`artifact_file`), `.graph(name)` and `.graph_path(name)`, `.graph_bytes()` (each graph's bytes on
+disk with its external tensors), `.size_bytes()` and `.changed_files()` (checksum mismatches).
+A stage takes an `Artifact` and writes a new one with `staged_artifact` + `finish`;
+`Artifact.of(x)` accepts a path or a handle at library entry points.
 
 **Validation.** `load_manifest` checks every field against its declared type when an artifact
 loads (llmx/artifact/schema.py: the types come from the classes below, so a new field is checked with no
