@@ -63,4 +63,4 @@ def register(cli: click.Group) -> None:
 
         with Progress() as log:
             manifest = export_checkpoint(checkpoint, output, verify=verify, all_logits=all_logits, force=force, log=log)
-            log(f"wrote {output} ({manifest.model.family}, {len(manifest.graphs)} graphs)")
+            log(f"wrote {output} ({manifest.model.family}, {len(manifest.graphs)} graph{'' if len(manifest.graphs) == 1 else 's'})")
