@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmx.compare import max_abs_diff
 from llmx.errors import LlmxError
 from llmx.export.modules import Decoder
 from llmx.export.onnx_export import past_names
@@ -22,7 +23,7 @@ class VerificationError(LlmxError):
 
 
 def _close(name: str, got: np.ndarray, want: np.ndarray, atol: float, rtol: float) -> float:
-    diff = float(np.abs(got - want).max()) if got.size else 0.0
+    diff = max_abs_diff(got, want)
     bound = atol + rtol * float(np.abs(want).max())
     if not np.isfinite(diff) or diff > bound:
         raise VerificationError(f"verification failed: {name} differs from PyTorch by {diff:.3g} (allowed {bound:.3g})")

@@ -9,78 +9,23 @@ between them count (h = S // 2):
     decode(that cache, tokens h..S-1)    -> predictions of tokens h+1..S-1
 
 Every token but the first is predicted exactly once; a fault in either graph, or in the cache
-prefill writes for decode, shows up in the score.
-
-    perplexity = exp(mean over positions of -log p(next token))
-    top-1 agreement = share of positions where two models pick the same argmax
-    mean KL = mean over positions of KL(p_reference || p_candidate)
+prefill writes for decode, shows up in the score. Perplexity, top-1 agreement and mean KL are
+``llmx.compare``'s (the arithmetic verify and calibrate share).
 
 Torch-free: numpy on the logits the backend returns.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import numpy as np
 
+from llmx.compare import Agreement, Score
 from llmx.errors import InputError
+from llmx.runtime.sampling import log_softmax
 
 _LOGITS_BUDGET = 1 << 24  # floats of logits per decode call: bounds memory on large vocabularies
-
-
-@dataclass
-class Score:
-    """Running negative log-likelihood of one model over the windows seen so far."""
-
-    nll: float = 0.0
-    tokens: int = 0
-    windows: int = 0
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
-
-    def add(self, logprobs: np.ndarray, targets: np.ndarray) -> None:
-        # logprobs: [T-1, V] for positions 0..T-2; targets: [T-1] the tokens that followed
-        self.nll -= float(logprobs[np.arange(len(targets)), targets].sum(dtype=np.float64))
-        self.tokens += len(targets)
-        self.windows += 1
-
-
-@dataclass
-class Agreement:
-    """How close a candidate's next-token distributions stay to a reference's."""
-
-    reference: Score = field(default_factory=Score)
-    candidate: Score = field(default_factory=Score)
-    same_top1: int = 0
-    kl_sum: float = 0.0
-
-    def add(self, ref: np.ndarray, cand: np.ndarray, targets: np.ndarray) -> None:
-        self.reference.add(ref, targets)
-        self.candidate.add(cand, targets)
-        self.same_top1 += int((ref.argmax(-1) == cand.argmax(-1)).sum())
-        self.kl_sum += float((np.exp(ref) * (ref - cand)).sum(dtype=np.float64))
-
-    def summary(self) -> dict:
-        n = self.reference.tokens
-        return {
-            "reference_perplexity": self.reference.perplexity,
-            "perplexity": self.candidate.perplexity,
-            "perplexity_ratio": self.candidate.perplexity / self.reference.perplexity,
-            "top1_agreement": self.same_top1 / n if n else float("nan"),
-            "mean_kl": self.kl_sum / n if n else float("nan"),
-            "tokens": n,
-            "windows": self.reference.windows,
-        }
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def window_logprobs(backend, windows: list[list[int]]) -> Iterable[np.ndarray]:
