@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -190,3 +191,34 @@ def test_console_script_runs_in_a_real_process(llama_artifact):
     assert json.loads(proc.stdout)["completion_tokens"] == 3
     proc = subprocess.run([str(exe), "generate", "/no/such/dir", "x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1
+
+
+def test_inspect_a_gguf_file_says_to_export_it(tmp_path, capsys):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
+    code, _, err = run(["inspect", str(gguf)], capsys)
+    line = error_line(err)
+    assert code == 1 and "is a GGUF file" in line and f"llmx export {gguf} -o DIR" in line
+    code, _, err = run(["inspect", str(tmp_path)], capsys)  # a directory without a manifest, as before
+    assert code == 1 and "not an llmx artifact" in error_line(err)
+
+
+def test_inspect_groups_fallback_names_by_layer(store, tmp_path, capsys):
+    art = tmp_path / "art"
+    shutil.copytree(store.artifact("llama"), art)
+    manifest = json.loads((art / "llmx.json").read_text())
+    projections = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    names = [f"model.layers.{i}.{p}.weight" for i in (*range(12), 14, 15) for p in projections] + ["lm_head.weight"]
+    manifest["precision"]["fallback"] = names
+    (art / "llmx.json").write_text(json.dumps(manifest))
+    code, out, _ = run(["inspect", str(art)], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  fallback"))
+    block = [lines[start], *itertools.takewhile(lambda line: line.startswith("    "), lines[start + 1 :])]
+    assert block[0].startswith("  fallback (71 MatMuls in higher precision): ")
+    assert all(len(line) <= 100 for line in block) and len(block) <= 4
+    shown = " ".join(block)
+    for p in projections:
+        assert f"model.layers.{{0-11,14-15}}.{p}.weight" in shown
+    assert "lm_head.weight" in shown and "fallback=" not in out

@@ -1,4 +1,6 @@
 import json
+import re
+import textwrap
 from pathlib import Path
 
 import click
@@ -16,6 +18,35 @@ def _size(n: int) -> str:
     return ""
 
 
+def _compact(names: list[str]) -> list[str]:
+    """Names that differ only in their layer number, once each: model.layers.{0-2,5}.mlp.up_proj.weight."""
+    layers: dict[str, list[str]] = {}
+    for name in names:
+        match = re.search(r"(?<=\.)\d+(?=\.)", name)
+        key = name if match is None else name[: match.start()] + "{}" + name[match.end() :]
+        layers.setdefault(key, []).append(match.group() if match else "")
+    return [key.replace("{}", found[0] if len(found) == 1 else _ranges(found)) for key, found in layers.items()]
+
+
+def _ranges(numbers: list[str]) -> str:
+    ints, spans = sorted(set(map(int, numbers))), []
+    for n in ints:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return "{" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) + "}"
+
+
+def _not_an_artifact_dir(path: Path) -> None:
+    """A file given where an artifact directory belongs: say what it is instead of 'does not exist'."""
+    with path.open("rb") as f:
+        gguf = f.read(4) == b"GGUF"
+    if gguf:
+        raise ArtifactError(f"{path} is a GGUF file, not an artifact: export it first with `llmx export {path} -o DIR`")
+    raise ArtifactError(f"{path} is a file, not an artifact directory (give the directory, or its {MANIFEST_NAME})")
+
+
 def register(cli: click.Group) -> None:
     @cli.command("inspect")
     @click.argument("artifact", type=click.Path(path_type=Path))
@@ -27,6 +58,8 @@ def register(cli: click.Group) -> None:
         ARTIFACT is the artifact directory or its manifest (ART/llmx.json)."""
         if artifact.name == MANIFEST_NAME and artifact.is_file():
             artifact = artifact.parent
+        elif artifact.is_file():
+            _not_an_artifact_dir(artifact)
         manifest = load_manifest(artifact)
         paths = {rel: artifact_file(artifact, rel, "checksums key") for rel in manifest.checksums}
         sizes = {rel: path.stat().st_size for rel, path in paths.items() if path.is_file()}
@@ -43,7 +76,14 @@ def register(cli: click.Group) -> None:
             dims = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings")
             click.echo("  model: " + ", ".join(f"{k}={getattr(m, k)}" for k in dims))
             precision = manifest.precision.to_dict()
-            click.echo("  precision: " + ", ".join(f"{k}={v}" for k, v in precision.items() if v is not None and k != "data"))
+            click.echo("  precision: " + ", ".join(f"{k}={v}" for k, v in precision.items()
+                                                   if v is not None and k not in ("data", "fallback")))
+            if manifest.precision.fallback:
+                # A searched w4 artifact can keep dozens of MatMuls back; one per layer pattern reads.
+                names = manifest.precision.fallback
+                click.echo(textwrap.fill(", ".join(_compact(names)), width=100, break_long_words=False, break_on_hyphens=False,
+                                         initial_indent=f"  fallback ({len(names)} MatMuls in higher precision): ",
+                                         subsequent_indent="    "))
             if manifest.kv is not None:
                 click.echo(f"  kv cache: {manifest.kv.dtype}, {manifest.kv.num_layers} layers x {manifest.kv.num_kv_heads} heads x {manifest.kv.head_dim}")
             for name, g in manifest.graphs.items():
