@@ -17,8 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
+from llmx.artifact.onnx_files import load_graph, save_graphs
 from llmx.calibration.activations import ActivationStats
+from llmx.calibration.awq import awq_scales
 from llmx.calibration.matmuls import add_initializer, initializers, read_array, replace_initializer, weight_matmuls
+from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
+from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
+from llmx.calibration.weight_only import BITS, quantize_weights
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,6 @@ class StaticBuilder:
         self._loaded: dict[Path, object] = {}
 
     def weights(self) -> list[str]:
-        from llmx.artifact.onnx_files import load_graph
-
         return [mm.weight for mm in weight_matmuls(load_graph(self.fp32))]
 
     def smoothed(self, alpha: float | None) -> tuple[Path, dict | None]:
@@ -67,9 +70,6 @@ class StaticBuilder:
         return self._smoothed[alpha]
 
     def _smooth(self, alpha: float) -> tuple[Path, dict]:
-        from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
-        from llmx.artifact.onnx_files import load_graph, save_graphs
-
         model, base = load_graph(self.fp32), self.fp32.parent
         scales = smoothing_scales(model, base, self.stats.merged_absmax(), alpha)
         apply_smoothing(model, base, scales)
@@ -79,9 +79,6 @@ class StaticBuilder:
         return out / f"{self.graph}.onnx", scales
 
     def ranges(self, method: str, alpha: float | None):
-        from llmx.calibration.static import collect_ranges, minmax_ranges
-        from llmx.artifact.onnx_files import load_graph
-
         if (method, alpha) not in self._ranges:
             path, scales = self.smoothed(alpha)
             if method == "minmax":  # straight from the statistics: no model run
@@ -116,8 +113,6 @@ class StaticBuilder:
         """(the quantized graph's path, its tensor bytes); MatMuls of ``skip`` stay fp32 too."""
         import onnx
 
-        from llmx.calibration.static import quantize_qdq
-
         path, _ = self.smoothed(candidate.alpha)
         self.built += 1
         out = self.work / f"qdq-{self.built}" / f"{self.graph}.onnx"
@@ -146,10 +141,6 @@ class WeightOnlyBuilder:
             return self.fp32
         block = candidate.block_size
         if block not in self._awq:
-            from llmx.calibration.awq import awq_scales
-            from llmx.calibration.smoothquant import apply_smoothing
-            from llmx.calibration.weight_only import BITS
-
             model = _copy(self.fp32)
             apply_smoothing(model, Path("."), awq_scales(model, Path("."), self.stats, block, BITS[self.scheme]))
             self._awq[block] = model
@@ -160,8 +151,6 @@ class WeightOnlyBuilder:
         return self.build(candidate, skip=[w for w in self.weights() if w != weight])
 
     def build(self, candidate: Candidate, skip: Collection[str] = ()) -> tuple[object, int]:
-        from llmx.calibration.weight_only import quantize_weights
-
         model = quantize_weights(_copy(self.source(candidate)), self.scheme, candidate.block_size, self.symmetric,
                                  fallback=set(candidate.fallback), skip=set(skip))
         return model, graph_bytes(model)

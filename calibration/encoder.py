@@ -9,14 +9,15 @@ minimum and 5th-percentile cosine similarity, and each graph's size.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from llmx.calibration.data import HELD_OUT_FRACTION, Split, TextData, spread
+from llmx.artifact.handle import Artifact
+from llmx.calibration.data import HELD_OUT_FRACTION, Split, TextData, read_text_data, spread
+from llmx.compare import cosine
 from llmx.errors import InputError
-from llmx.artifact.manifest import Manifest
+from llmx.runtime.embed import Embedder
 
 
 def sentence_inputs(tokenizer, data: TextData) -> list[list[int]]:
@@ -38,11 +39,8 @@ def split_sentences(inputs: list[list[int]], samples: int, eval_samples: int, ev
     return Split(spread(inputs, samples), spread(eval_inputs, eval_samples), longest, len(inputs))
 
 
-def load_sentences(src: Path, manifest: Manifest, data, eval_data, options) -> tuple[Split, dict]:
-    from llmx.calibration.data import read_text_data
-    from llmx.runtime.embed import Embedder
-
-    tokenizer = Embedder.load(src, threads=1).tokenizer  # truncates like the runtime does
+def load_sentences(source: Artifact, data, eval_data, options) -> tuple[Split, dict]:
+    tokenizer = Embedder(source, threads=1).tokenizer  # truncates like the runtime does
     text = read_text_data(data)
     record = {"source": str(data), "sha256": text.sha256, "unit": "sentence"}
     held_out = None
@@ -70,20 +68,16 @@ class EncoderFeeds:
             yield {"input_ids": batch, "attention_mask": np.ones_like(batch), "token_type_ids": np.zeros_like(batch)}
 
 
-def measure_embeddings(reference: Path, candidate: Path, candidate_manifest: Manifest, inputs: list[list[int]],
-                       threads: int | None = None, progress: Callable[[int], None] = lambda n: None) -> dict:
-    from llmx.calibration.report import graph_bytes
-    from llmx.artifact.manifest import load_manifest
-    from llmx.runtime.embed import Embedder
-
-    ref = Embedder.load(reference, threads=threads).embed_ids(inputs).vectors
-    got = Embedder(candidate, candidate_manifest, threads=threads).embed_ids(inputs).vectors
+def measure_embeddings(reference: Artifact, candidate: Artifact, inputs: list[list[int]], threads: int | None = None,
+                       progress: Callable[[int], None] = lambda n: None) -> dict:
+    ref = Embedder(reference, threads=threads).embed_ids(inputs).vectors
+    got = Embedder(candidate, threads=threads).embed_ids(inputs).vectors
     progress(len(inputs))
-    cos = (ref * got).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(got, axis=1))
+    cos = cosine(ref, got)
     return {
         "kind": "encoder",
-        "fp32": {"graph_bytes": graph_bytes(reference, load_manifest(reference))},
-        "quantized": {"graph_bytes": graph_bytes(candidate, candidate_manifest)},
+        "fp32": {"graph_bytes": reference.graph_bytes()},
+        "quantized": {"graph_bytes": candidate.graph_bytes()},
         "cosine_mean": float(cos.mean()),
         "cosine_min": float(cos.min()),
         "cosine_p5": float(np.percentile(cos, 5)),

@@ -9,12 +9,13 @@ middle and late positions with single-token steps (generation) plus one multi-to
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
+from llmx.runtime.onnx_backend import session_options
 
 
 def prefill_feed(window: list[int]) -> dict[str, np.ndarray]:
@@ -51,8 +52,8 @@ def decode_feed(manifest: Manifest, window: list[int], presents: list[np.ndarray
 class Feeds:
     """Calibration inputs of one artifact's graphs; iterable any number of times."""
 
-    def __init__(self, artifact: Path, manifest: Manifest, windows: list[list[int]], threads: int | None = None):
-        self.artifact, self.manifest, self.windows, self.threads = Path(artifact), manifest, windows, threads
+    def __init__(self, artifact: Artifact, windows: list[list[int]], threads: int | None = None):
+        self.artifact, self.windows, self.threads = artifact, windows, threads
         self._prefill = None
 
     def count(self, graph: str) -> int:
@@ -66,7 +67,7 @@ class Feeds:
         for window in self.windows:
             presents = self._prefill_session().run(None, prefill_feed(window))[1:]
             for start, count in decode_splits(len(window)):
-                yield decode_feed(self.manifest, window, presents, start, count)
+                yield decode_feed(self.artifact.manifest, window, presents, start, count)
 
     def _prefill_session(self):
         # KV comes from the fp32 source graph: what a quantized decode graph meets in service
@@ -74,8 +75,6 @@ class Feeds:
         if self._prefill is None:
             import onnxruntime as ort
 
-            from llmx.runtime.onnx_backend import session_options
-
-            path = self.artifact / self.manifest.graphs["prefill"].file
+            path = self.artifact.graph_path("prefill")
             self._prefill = ort.InferenceSession(str(path), session_options(self.threads), providers=["CPUExecutionProvider"])
         return self._prefill

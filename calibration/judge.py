@@ -16,6 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from llmx.artifact.manifest import Manifest
+from llmx.calibration.encoder import EncoderFeeds
+from llmx.calibration.feeds import decode_feed
+from llmx.compare import Agreement, cosine
+from llmx.runtime.onnx_backend import session_options
+from llmx.runtime.sampling import log_softmax
 
 
 def meets(quality: dict, target: float) -> bool:
@@ -29,8 +34,6 @@ def session(model, threads: int | None):
     """An ORT CPU session over a graph path or an in-memory model (weights inline)."""
     import onnxruntime as ort
 
-    from llmx.runtime.onnx_backend import session_options
-
     source = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
     return ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
 
@@ -39,8 +42,6 @@ class DecoderJudge:
     graph = "decode"
 
     def __init__(self, fp32_graph: Path, manifest: Manifest, windows: list[list[int]], threads: int | None):
-        from llmx.runtime.evaluate import log_softmax
-
         self.threads = threads
         reference = session(fp32_graph, threads)
         self.feeds = [self._feed(reference, manifest, w) for w in windows]
@@ -49,15 +50,11 @@ class DecoderJudge:
 
     @staticmethod
     def _feed(reference, manifest: Manifest, window: list[int]) -> dict:
-        from llmx.calibration.feeds import decode_feed
-
         past = [i for i in reference.get_inputs() if i.name.startswith("past_key_values.")]
         empty = [np.zeros((1, p.shape[1], 0, p.shape[3]), np.float32) for p in past]
         return decode_feed(manifest, window, empty, 0, len(window))
 
     def score(self, candidate) -> dict:
-        from llmx.runtime.evaluate import Agreement, log_softmax
-
         result = Agreement()
         for feed, ref, targets in zip(self.feeds, self.reference, self.targets):
             result.add(ref, log_softmax(candidate.run(["logits"], feed)[0][0, :-1]), targets)
@@ -73,8 +70,6 @@ class EncoderJudge:
     graph = "embed"
 
     def __init__(self, fp32_graph: Path, manifest: Manifest, inputs: list[list[int]], threads: int | None):
-        from llmx.calibration.encoder import EncoderFeeds
-
         self.feeds = list(EncoderFeeds(inputs)(self.graph))
         self.reference = self._vectors(session(fp32_graph, threads))
 
@@ -82,8 +77,7 @@ class EncoderJudge:
         return np.concatenate([candidate.run(None, feed)[0] for feed in self.feeds])
 
     def score(self, candidate) -> dict:
-        got = self._vectors(candidate)
-        cos = (self.reference * got).sum(1) / (np.linalg.norm(self.reference, axis=1) * np.linalg.norm(got, axis=1))
+        cos = cosine(self.reference, self._vectors(candidate))
         return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
 
     @staticmethod

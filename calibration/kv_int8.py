@@ -28,8 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.errors import ArtifactError, InputError
+from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
+from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
+from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
+from llmx.errors import ArtifactError, InputError
+from llmx.runtime.engine import make_backend
 
 QMAX = 127.0
 _MIN_ABSMAX = 1e-6  # a channel that is always 0 still gets a finite scale
@@ -199,13 +203,11 @@ def kv_record(scales: list[np.ndarray], windows: list[list[int]]) -> dict:
             "scale_min": float(flat.min()), "scale_max": float(flat.max())}
 
 
-def calibrate_kv(src: Path, manifest: Manifest, windows: list[list[int]], threads: int | None = None) -> list[np.ndarray]:
-    """Scales for an int8 cache of artifact ``src``, from its own keys/values on ``windows``."""
-    from llmx.runtime.engine import make_backend
-
-    check_quantizable(manifest)
-    backend = make_backend(src, manifest, "ort-cpu", threads=threads, lazy_prefill=False)  # the prefill graph's KV too
-    return kv_scales(kv_absmax(backend, windows), rope=manifest.model.position == "rope")
+def calibrate_kv(source: Artifact, windows: list[list[int]], threads: int | None = None) -> list[np.ndarray]:
+    """Scales for an int8 cache of ``source``, from its own keys/values on ``windows``."""
+    check_quantizable(source.manifest)
+    backend = make_backend(source, "ort-cpu", threads=threads, lazy_prefill=False)  # the prefill graph's KV too
+    return kv_scales(kv_absmax(backend, windows), rope=source.manifest.model.position == "rope")
 
 
 def mark_kv_int8(manifest: Manifest, scales: list[np.ndarray], windows: list[list[int]]) -> None:
@@ -214,22 +216,18 @@ def mark_kv_int8(manifest: Manifest, scales: list[np.ndarray], windows: list[lis
     manifest.precision = dataclasses.replace(manifest.precision, kv_cache="int8")
 
 
-def quantize_kv_artifact(src: str | Path, out: str | Path, windows: list[list[int]], threads: int | None = None,
-                         force: bool = False) -> Manifest:
+def quantize_kv_artifact(src: str | Path | Artifact, out: str | Path, windows: list[list[int]],
+                         threads: int | None = None, force: bool = False) -> Manifest:
     """A copy of artifact ``src`` at ``out`` whose KV cache is int8, calibrated on token ``windows``
     (``llmx calibrate --kv-cache int8`` does the same from text, and reports the quality)."""
-    from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
-    from llmx.artifact.manifest import load_manifest
-    from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
-
-    src = Path(src)
-    manifest = load_manifest(src)
-    scales = calibrate_kv(src, manifest, windows, threads)
+    source = Artifact.of(src)
+    manifest = source.manifest
+    scales = calibrate_kv(source, windows, threads)
     with staged_artifact(out, overwrite=force) as tmp:
-        models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
+        models = {name: load_graph(source.graph_path(name)) for name in manifest.graphs}
         quantize_kv_graphs(models, manifest, scales)
-        save_graphs(models, tmp, sources={name: src for name in models})
-        copy_tokenizer(src, tmp)
+        save_graphs(models, tmp, sources={name: source.root for name in models})
+        copy_tokenizer(source.root, tmp)
         new = manifest.with_stage("kv-int8", windows=len(windows))
         new.graphs = {name: describe_graph(models[name], spec.file, ops=spec.ops) for name, spec in manifest.graphs.items()}
         mark_kv_int8(new, scales, windows)

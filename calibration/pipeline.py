@@ -9,13 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from llmx.calibration.activations import ActivationStats, collect_stats
+from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
-
-if TYPE_CHECKING:
-    from llmx.calibration import CalibrationOptions
+from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
+from llmx.artifact.staging import copy_tokenizer
+from llmx.calibration.activations import ActivationStats, collect_stats
+from llmx.calibration.awq import awq_scales
+from llmx.calibration.encoder import EncoderFeeds
+from llmx.calibration.feeds import Feeds
+from llmx.calibration.matmuls import declare_activation_types, name_nodes
+from llmx.calibration.options import CalibrationOptions
+from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
+from llmx.calibration.static import activation_scales, collect_ranges, minmax_ranges, quantize_qdq
+from llmx.calibration.tensorrt_cache import TRT_VERSION, write_tables
+from llmx.calibration.weight_only import BITS, quantize_weights
 
 
 class _Silent:
@@ -37,19 +46,17 @@ def silent(description: str, total: int) -> _Silent:
     return _Silent()
 
 
-def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], options: CalibrationOptions,
-                    work: Path, progress: Progress, stats: ActivationStats | None = None) -> tuple[dict, Path | None, dict]:
+def quantize_graphs(source: Artifact, windows: list[list[int]], options: CalibrationOptions, work: Path,
+                    progress: Progress, stats: ActivationStats | None = None) -> tuple[dict, Path | None, dict]:
     """(quantized models, the directory their external data lives in, what was done).
 
     ``stats``: activation statistics of these windows already collected (by the search); else
     they are collected here when SmoothQuant, AWQ or minmax ranges need them.
     """
-    from llmx.artifact.onnx_files import load_graph
-
     if options.scheme is None:  # weights stay as they are (an int8 KV cache alone)
-        return {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}, src, {}
-    paths = prepare_fp32(src, manifest, work / "fp32")
-    feeds = make_feeds(src, manifest, windows, options.threads)
+        return {name: load_graph(source.graph_path(name)) for name in source.manifest.graphs}, source.root, {}
+    paths = prepare_fp32(source, work / "fp32")
+    feeds = make_feeds(source, windows, options.threads)
     needs_stats = options.smoothquant is not None or options.awq or options.method == "minmax"
     if stats is None and needs_stats and (options.scheme == "w8a8" or options.awq):
         with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
@@ -67,35 +74,26 @@ def quantize_graphs(src: Path, manifest: Manifest, windows: list[list[int]], opt
     return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
 
 
-def prepare_fp32(src: Path, manifest: Manifest, out: Path) -> dict[str, Path]:
+def prepare_fp32(source: Artifact, out: Path) -> dict[str, Path]:
     """The source graphs with named nodes and typed MatMul inputs (what the quantizers need)."""
-    from llmx.calibration.matmuls import declare_activation_types, name_nodes
-    from llmx.artifact.onnx_files import load_graph, save_graphs
-
     out.mkdir()
-    models = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
+    models = {name: load_graph(source.graph_path(name)) for name in source.manifest.graphs}
     for model in models.values():
         name_nodes(model)
         declare_activation_types(model)
-    save_graphs(models, out, sources={name: src for name in models})
+    save_graphs(models, out, sources={name: source.root for name in models})
     return {name: out / f"{name}.onnx" for name in models}
 
 
-def make_feeds(src: Path, manifest: Manifest, windows: list[list[int]], threads: int | None):
+def make_feeds(source: Artifact, windows: list[list[int]], threads: int | None):
     """Calibration inputs of every graph: sentences for an encoder, windows and real KV for a decoder."""
-    from llmx.calibration.feeds import Feeds
-
-    if manifest.kind == "encoder":
-        from llmx.calibration.encoder import EncoderFeeds
-
+    if source.manifest.kind == "encoder":
         return EncoderFeeds(windows)
-    return Feeds(src, manifest, windows, threads)
+    return Feeds(source, windows, threads)
 
 
 def weight_only_graphs(paths: dict[str, Path], options: CalibrationOptions) -> dict:
     import onnx
-
-    from llmx.calibration.weight_only import quantize_weights
 
     return {name: quantize_weights(onnx.load_model(str(path)), options.scheme, options.block_size, options.symmetric,
                                    fallback=set(options.fallback))
@@ -104,11 +102,6 @@ def weight_only_graphs(paths: dict[str, Path], options: CalibrationOptions) -> d
 
 def awq_graphs(paths: dict[str, Path], stats: ActivationStats, options: CalibrationOptions, out: Path):
     """AWQ-scale both graphs with one set of scales; returns (new graph paths, what was done)."""
-    from llmx.calibration.awq import awq_scales
-    from llmx.calibration.smoothquant import apply_smoothing
-    from llmx.calibration.weight_only import BITS
-    from llmx.artifact.onnx_files import load_graph, save_graphs
-
     base = next(iter(paths.values())).parent
     models = {name: load_graph(path) for name, path in paths.items()}
     scales = awq_scales(models[next(iter(models))], base, stats, options.block_size, BITS[options.scheme])
@@ -121,9 +114,6 @@ def awq_graphs(paths: dict[str, Path], stats: ActivationStats, options: Calibrat
 def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress = silent,
                   absmax: dict | None = None):
     """SmoothQuant both graphs with one set of scales; returns (new graph paths, what was done)."""
-    from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
-    from llmx.artifact.onnx_files import load_graph, save_graphs
-
     if absmax is None:
         total = sum(feeds.count(name) for name in paths)
         with progress("smoothquant statistics", total) as bar:
@@ -144,9 +134,6 @@ def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, ou
                   stats: ActivationStats | None = None, scales: dict | None = None) -> dict:
     """Q/DQ graphs; minmax ranges come from ``stats`` (and the smoothing ``scales`` applied to
     ``paths``) when given: what ORT's calibrator would find, without running the graphs again."""
-    from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
-    from llmx.artifact.onnx_files import load_graph
-
     out.mkdir()
     for name, path in paths.items():
         if options.method == "minmax" and stats is not None:
@@ -158,14 +145,12 @@ def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, ou
     return {name: load_graph(out / f"{name}.onnx") for name in paths}
 
 
-def write_quantized(src: Path, manifest: Manifest, tmp: Path, models: dict, weights_dir: Path | None,
+def write_quantized(source: Artifact, tmp: Path, models: dict, weights_dir: Path | None,
                     options: CalibrationOptions, record: dict) -> Manifest:
     """Graphs, tokenizer and TensorRT tables into ``tmp``; the new manifest (not yet saved)."""
-    from llmx.artifact.staging import copy_tokenizer
-    from llmx.artifact.onnx_files import describe_graph, save_graphs
-
+    manifest = source.manifest
     save_graphs(models, tmp, sources={name: weights_dir for name in models} if weights_dir else None)
-    copy_tokenizer(src, tmp)
+    copy_tokenizer(source.root, tmp)
     portable = options.scheme in ("w8a8", None) and all(g.ops == "portable" for g in manifest.graphs.values())
     ops = "portable" if portable else "onnxruntime"
     new = manifest.with_stage("calibrate", scheme=options.scheme, kv_cache=options.kv_cache, **record)
@@ -179,9 +164,6 @@ def write_quantized(src: Path, manifest: Manifest, tmp: Path, models: dict, weig
 
 
 def _tensorrt_tables(tmp: Path, models: dict, method: str) -> dict:
-    from llmx.calibration.static import activation_scales
-    from llmx.calibration.tensorrt_cache import TRT_VERSION, write_tables
-
     tables = {}
     for name, model in models.items():
         folder = Path("tensorrt") / name

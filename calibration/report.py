@@ -12,40 +12,25 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from llmx.artifact.manifest import Manifest, load_manifest
-from llmx.artifact.onnx_files import load_graph
+from llmx.artifact.handle import Artifact
+from llmx.calibration.search import format_search
+from llmx.runtime.engine import make_backend
+from llmx.runtime.evaluate import agreement
 
 REPORT_FILE = "quality.json"
 
 
-def graph_bytes(artifact: Path, manifest: Manifest) -> dict[str, int]:
-    """Bytes each graph needs: its .onnx file plus the external tensors it references."""
-    sizes = {}
-    for name, spec in manifest.graphs.items():
-        model = load_graph(artifact / spec.file)
-        external = 0
-        for init in model.graph.initializer:
-            info = {e.key: e.value for e in init.external_data}
-            external += int(info.get("length", 0))
-        sizes[name] = (artifact / spec.file).stat().st_size + external
-    return sizes
-
-
-def measure(reference: Path, candidate: Path, candidate_manifest: Manifest, windows: list[list[int]],
-            threads: int | None = None, progress: Callable[[int], None] = lambda n: None) -> dict:
+def measure(reference: Artifact, candidate: Artifact, windows: list[list[int]], threads: int | None = None,
+            progress: Callable[[int], None] = lambda n: None) -> dict:
     """Perplexity of both artifacts and their agreement on ``windows`` (ONNX Runtime CPU)."""
-    from llmx.runtime.engine import make_backend
-    from llmx.runtime.evaluate import agreement
-
-    ref_manifest = load_manifest(reference)
     # lazy_prefill=False: the report must judge the prefill graph too (a batch of prompts runs it),
     # even when a window batch holds one row, which the default would prefill on the decode graph.
-    ref = make_backend(reference, ref_manifest, "ort-cpu", threads=threads, lazy_prefill=False)
-    cand = make_backend(candidate, candidate_manifest, "ort-cpu", threads=threads, lazy_prefill=False)
+    ref = make_backend(reference, "ort-cpu", threads=threads, lazy_prefill=False)
+    cand = make_backend(candidate, "ort-cpu", threads=threads, lazy_prefill=False)
     result = agreement(ref, cand, windows, progress).summary()
     return {
-        "fp32": {"perplexity": result["reference_perplexity"], "graph_bytes": graph_bytes(reference, ref_manifest)},
-        "quantized": {"perplexity": result["perplexity"], "graph_bytes": graph_bytes(candidate, candidate_manifest)},
+        "fp32": {"perplexity": result["reference_perplexity"], "graph_bytes": reference.graph_bytes()},
+        "quantized": {"perplexity": result["perplexity"], "graph_bytes": candidate.graph_bytes()},
         "perplexity_ratio": result["perplexity_ratio"],
         "top1_agreement": result["top1_agreement"],
         "mean_kl": result["mean_kl"],
@@ -65,8 +50,6 @@ def _mib(n: int) -> str:
 def format_report(report: dict) -> str:
     text = _format_quality(report)
     if "search" in report:
-        from llmx.calibration.search import format_search
-
         met = "meets" if report["meets_target"] else "MISSES"
         text += (f"\n{format_search(report['search'])}\n  the artifact {met} the target; "
                  f"calibration took {report['calibration_seconds']:.0f} s")

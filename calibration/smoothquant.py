@@ -34,6 +34,7 @@ from llmx.calibration.matmuls import (
     replace_initializer,
     weight_matmuls,
 )
+from llmx.runtime.onnx_backend import session_options
 
 # Ops whose output channels are scaled by constant per-channel inputs (index: scale, shift).
 # The contrib variants appear in graphs written by the optimize stage.
@@ -73,8 +74,6 @@ def matmul_inputs(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[
     every weight MatMul group, as the graph computes it."""
     import onnx
     import onnxruntime as ort
-
-    from llmx.runtime.onnx_backend import session_options
 
     for graph, path in graph_paths.items():
         model = onnx.load_model(str(path), load_external_data=False)

@@ -23,6 +23,8 @@ import numpy as np
 
 from llmx.calibration.matmuls import initializers, read_array, weight_matmuls
 from llmx.calibration.quiet import quiet_logging
+from llmx.calibration.smoothquant import groups
+from llmx.runtime.onnx_backend import session_options
 
 METHODS = ("minmax", "entropy", "percentile")
 # Entropy searches thresholds on a 2048-bin histogram of signed values, comparing each clipped
@@ -63,8 +65,6 @@ def _calibrator(method: str, model_path: Path, tensors: set[str]):
     # What create_inference_session opens (no optimization), without its C++ warnings on stderr
     # (e.g. that decode's logits_to_keep is an initializer and an input, on purpose).
     import onnxruntime as ort
-
-    from llmx.runtime.onnx_backend import session_options
 
     calibrator.infer_session = ort.InferenceSession(str(augmented), session_options(optimization="none"),
                                                     providers=calibrator.execution_providers)
@@ -145,8 +145,6 @@ def minmax_ranges(model, absmax: dict[str, np.ndarray], scales: dict[str, np.nda
     MinMax calibrator finds on the same feeds.
     """
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
-
-    from llmx.calibration.smoothquant import groups
 
     per_weight = {w: scales[g.key] for g in groups(model) for w in g.weights if g.key in (scales or {})}
     ranges: dict[str, float] = {}

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from llmx.calibration import CalibrationOptions, calibrate_artifact
+from llmx.artifact import Artifact
 from llmx.artifact.manifest import load_manifest
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
@@ -122,8 +123,8 @@ def test_broken_quantization_is_reported_as_a_large_perplexity_increase(broken, 
 
     real = pipeline.quantize_graphs
 
-    def absurd_scales(src, manifest, windows, options, work, progress, stats=None):
-        models, weights_dir, record = real(src, manifest, windows, options, work, progress, stats)
+    def absurd_scales(source, windows, options, work, progress, stats=None):
+        models, weights_dir, record = real(source, windows, options, work, progress, stats)
         for model in [models[broken]]:
             for name, init in initializers(model).items():
                 if name.endswith(".weight_scale"):  # per-channel weight scales of the Q/DQ graph
@@ -243,8 +244,8 @@ def test_smoothquant_leaves_fp32_outputs_unchanged(variant, store, calib_text, t
 
     src = store.artifact(variant)
     manifest = load_manifest(src)
-    windows = token_windows(Tokenizer(src, manifest), read_text_data(calib_text), 24)[:3]
-    feeds = Feeds(src, manifest, windows, threads=1)
+    windows = token_windows(Tokenizer(Artifact(src, manifest)), read_text_data(calib_text), 24)[:3]
+    feeds = Feeds(Artifact(src, manifest), windows, threads=1)
     paths = {g: src / spec.file for g, spec in manifest.graphs.items()}
     work = tmp_path / "fp32"
     shutil.copytree(src, work)
@@ -285,8 +286,8 @@ def test_smoothquant_flattens_an_activation_outlier(store, calib_text, tmp_path)
         replace_initializer(model, norm.name, gamma)
         onnx.save_model(model, str(path))
     manifest = load_manifest(art)
-    windows = token_windows(Tokenizer(art, manifest), read_text_data(calib_text), 24)[:3]
-    feeds = Feeds(art, manifest, windows, threads=1)
+    windows = token_windows(Tokenizer(Artifact(art, manifest)), read_text_data(calib_text), 24)[:3]
+    feeds = Feeds(Artifact(art, manifest), windows, threads=1)
     before = activation_absmax(paths, feeds)
     smoothed, _ = smooth_graphs(paths, feeds, CalibrationOptions(scheme="w8a8", smoothquant=0.5), tmp_path / "s")
     after = activation_absmax(smoothed, feeds)
@@ -377,8 +378,8 @@ def test_decode_feeds_carry_the_real_prefill_cache(store, calib_text):
 
     src = store.artifact("llama")
     manifest = load_manifest(src)
-    windows = token_windows(Tokenizer(src, manifest), read_text_data(calib_text), 32)[:2]
-    feeds = list(Feeds(src, manifest, windows, threads=1)("decode"))
+    windows = token_windows(Tokenizer(Artifact(src, manifest)), read_text_data(calib_text), 32)[:2]
+    feeds = list(Feeds(Artifact(src, manifest), windows, threads=1)("decode"))
     splits = decode_splits(32)
     assert len(feeds) == 2 * len(splits) and any(t == 1 for _, t in splits) and any(t > 1 for _, t in splits)
     presents = _run(src / "prefill.onnx", prefill_feed(windows[1]))[1:]

@@ -15,6 +15,7 @@ import pytest
 
 from llmx.calibration import CalibrationOptions, calibrate_artifact
 from llmx.calibration.search import SearchSpace
+from llmx.artifact import Artifact
 from llmx.artifact.manifest import load_manifest
 from outliers import plant_outliers
 from test_cli import error_line, leftovers, run
@@ -240,11 +241,10 @@ def test_minmax_ranges_from_statistics_equal_the_ort_calibrator(store, calib_tex
     from llmx.calibration.static import collect_ranges, minmax_ranges
     from llmx.runtime.tokenizer import Tokenizer
 
-    src = store.artifact("llama")
-    manifest = load_manifest(src)
-    windows = token_windows(Tokenizer(src, manifest), read_text_data(calib_text), 32)[:3]
-    paths = prepare_fp32(src, manifest, tmp_path / "fp32")
-    feeds = make_feeds(src, manifest, windows, 1)
+    src = Artifact.open(store.artifact("llama"))
+    windows = token_windows(Tokenizer(src), read_text_data(calib_text), 32)[:3]
+    paths = prepare_fp32(src, tmp_path / "fp32")
+    feeds = make_feeds(src, windows, 1)
     stats = collect_stats(paths, feeds, threads=1)
     for graph, path in paths.items():
         ours = minmax_ranges(onnx.load_model(str(path), load_external_data=False), stats.absmax[graph])

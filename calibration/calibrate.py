@@ -1,0 +1,160 @@
+"""``calibrate_artifact``: the calibration stage from one artifact and text to a quantized artifact.
+
+    artifact + text --> windows --> (search) --> quantized prefill + decode --> report
+                                                                               |
+                        new artifact: graphs, weights.bin, quality.json, tensorrt/ <+
+
+With ``options.search`` (the CLI's default) the recipe is not given but found: ``search.py``
+tries recipes and per-MatMul fallbacks on the held-out split until a quality target holds,
+and the chosen one is built by ``pipeline.py``. The new artifact is staged and renamed into
+place only once its report is written (and, with a search, meets the target or ``force``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Callable
+
+from llmx.artifact.handle import Artifact
+from llmx.artifact.manifest import Manifest
+from llmx.artifact.onnx_files import load_graph
+from llmx.artifact.staging import finish, staged_artifact
+from llmx.calibration import kv_int8, pipeline
+from llmx.calibration.activations import collect_stats
+from llmx.calibration.data import read_text_data, split_windows, token_windows
+from llmx.calibration.encoder import load_sentences, measure_embeddings
+from llmx.calibration.judge import meets
+from llmx.calibration.matmuls import is_quantized
+from llmx.calibration.options import UNSEARCHED_BLOCK_SIZE, CalibrationOptions
+from llmx.calibration.pipeline import Progress, silent
+from llmx.calibration.report import measure, write_report
+from llmx.calibration.search import TargetNotMetError, apply, format_search, run_search
+from llmx.errors import ArtifactError, InputError
+from llmx.runtime.tokenizer import Tokenizer
+
+
+def calibrate_artifact(src: str | Path | Artifact, out: str | Path, data: str | Path, options: CalibrationOptions,
+                       eval_data: str | Path | None = None, force: bool = False,
+                       log: Callable[[str], None] = lambda msg: None,
+                       progress: Progress = silent) -> Manifest:
+    """Quantize artifact ``src`` into ``out`` calibrated on ``data``; returns the new manifest."""
+    options.validate()
+    if options.block_size is None and (options.search is None or options.scheme is None):
+        options = replace(options, block_size=UNSEARCHED_BLOCK_SIZE)
+    source = Artifact.of(src)
+    check_unquantized(source)
+    encoder = source.manifest.kind == "encoder"
+    if encoder:
+        if options.kv_cache != "float32":
+            raise InputError("--kv-cache applies to decoders; an encoder has no KV cache")
+        split, data_record = load_sentences(source, data, eval_data, options)
+        log(f"{options.label}: calibrating on {len(split.calibration)} sentences from {data}")
+    else:
+        split, data_record = load_windows(source, data, eval_data, options)
+        log(f"{options.label}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
+    started = time.perf_counter()
+    with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-calibrate-") as work:
+        stats, searched = None, None
+        if options.search is not None and options.scheme is not None:
+            options, stats, searched = search_recipe(source, split, options, Path(work) / "search", force, log, progress)
+        new = _build(source, split, options, Path(work), tmp, stats, log, progress)
+        new.precision.data = data_record
+        report = _report(source, Artifact(tmp, new), split, options, eval_data, log, progress)
+        report["calibration_seconds"] = round(time.perf_counter() - started, 1)
+        if searched is not None:
+            report["search"] = searched
+            report["meets_target"] = meets(report, searched["target"])
+            if not report["meets_target"] and not force:
+                log(format_search(searched))
+                raise TargetNotMetError(f"the {options.label} artifact measures {_quality(report)} on the held-out "
+                                        f"split, missing the target ({searched['measure']}); --force keeps it")
+        write_report(tmp, report)
+        new.extras["quality"] = report
+        finish(tmp, new)
+    return new
+
+
+def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Path, force: bool,
+                  log: Callable[[str], None], progress: Progress):
+    """(options for the recipe the search picked, the activation statistics, the search record)."""
+    work.mkdir()
+    paths = pipeline.prepare_fp32(source, work / "fp32")
+    feeds = pipeline.make_feeds(source, split.calibration, options.threads)
+    stats = None
+    if options.scheme == "w8a8" or (options.scheme == "w4" and True in options.search.awq):  # else unused
+        with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
+            stats = collect_stats(paths, feeds, bar.update, options.threads)
+    space = options.search
+    if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
+        space = replace(space, block_sizes=(options.block_size,))
+    chosen, record = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space, work, log)
+    if not record["met"]:
+        best = record["candidates"][record["chosen"]]
+        message = (f"no configuration meets the target ({record['measure']}); the best found, {best['label']}, "
+                   f"measures {_quality(best)}")
+        if not force:
+            log(format_search(record))
+            raise TargetNotMetError(message + "; --force keeps it, or relax --target")
+        log(message + " (kept: --force)")
+    return apply(options, chosen), stats, record
+
+
+def _quality(measured: dict) -> str:
+    if "cosine_mean" in measured:
+        return f"cosine mean {measured['cosine_mean']:.4f} / min {measured['cosine_min']:.4f}"
+    return f"perplexity x{measured['perplexity_ratio']:.4f}"
+
+
+def _build(source: Artifact, split, options: CalibrationOptions, work: Path, tmp: Path, stats, log,
+           progress: Progress) -> Manifest:
+    models, weights_dir, record = pipeline.quantize_graphs(source, split.calibration, options, work, progress, stats)
+    if options.kv_cache == "int8":
+        log(f"int8 KV cache: scales from {len(split.calibration)} windows")
+        scales = kv_int8.calibrate_kv(source, split.calibration, options.threads)
+        kv_int8.quantize_kv_graphs(models, source.manifest, scales)
+    new = pipeline.write_quantized(source, tmp, models, weights_dir, options, record)
+    if options.kv_cache == "int8":
+        kv_int8.mark_kv_int8(new, scales, split.calibration)
+    return new
+
+
+def _report(source: Artifact, candidate: Artifact, split, options: CalibrationOptions, eval_data, log,
+            progress: Progress) -> dict:
+    encoder = source.manifest.kind == "encoder"
+    unit = "sentences" if encoder else "windows"
+    log(f"measuring quality on {len(split.evaluation)} held-out {unit}")
+    with progress("evaluating", len(split.evaluation)) as bar:
+        score = measure_embeddings if encoder else measure
+        measured = score(source, candidate, split.evaluation, options.threads, bar.update)
+    source_text = str(eval_data) if eval_data else f"held-out tail of {candidate.manifest.precision.data['source']}"
+    return {"scheme": options.scheme, "label": options.label, "kv_cache": options.kv_cache, "options": asdict(options),
+            "evaluation": {"source": source_text, unit: len(split.evaluation), "seq_len": split.seq_len}, **measured}
+
+
+def load_windows(source: Artifact, data, eval_data, options: CalibrationOptions):
+    """(calibration/evaluation split, the manifest's record of the data) for ``--data``/``--eval-data``."""
+    max_seq_len = source.manifest.max_seq_len
+    if options.seq_len > max_seq_len:
+        raise InputError(f"--seq-len {options.seq_len} exceeds the model's maximum length {max_seq_len}")
+    tokenizer = Tokenizer(source)
+    text = read_text_data(data)
+    record = {"source": str(data), "sha256": text.sha256}
+    held_out = None
+    if eval_data is not None:
+        eval_text = read_text_data(eval_data)
+        held_out = token_windows(tokenizer, eval_text, options.seq_len)
+        record.update(eval_source=str(eval_data), eval_sha256=eval_text.sha256)
+    split = split_windows(token_windows(tokenizer, text, options.seq_len), options.seq_len, options.samples,
+                          options.eval_samples, held_out, source=str(data))
+    record.update(windows=len(split.calibration), seq_len=split.seq_len)
+    return split, record
+
+
+def check_unquantized(source: Artifact) -> None:
+    scheme = source.manifest.precision.scheme
+    if scheme or any(is_quantized(load_graph(source.graph_path(name))) for name in source.manifest.graphs):
+        raise ArtifactError(f"{source.root} is already quantized ({scheme or 'quantized ops in its graphs'}); "
+                            "calibrate the fp32 artifact it was made from")
