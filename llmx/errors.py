@@ -4,18 +4,29 @@ them to 4xx JSON. Raise them where the cause is known, with a message a user can
 Exit codes of ``llmx`` (docs/generate.md lists them): 2 when the command line is wrong (an
 unknown option, a value out of range, a prompt the model cannot take: InputError, and click's
 usage errors); 1 when a well-formed command could not do its work (an artifact or checkpoint
-missing or corrupt, a dependency not installed: every other LlmxError); 130 when interrupted.
+missing or corrupt, a dependency not installed: every other LlmxError); 130 when interrupted
+(Ctrl-C); 128 + the signal's number when ended by SIGTERM (143) or SIGHUP (129).
 """
 
 from __future__ import annotations
 
 import importlib
+import signal
 
 
 class LlmxError(Exception):
     """Base class: anything the user can fix (bad path, bad value, unsupported model)."""
 
     exit_code = 1
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (``timeout``, CI cancellation, ``docker stop``, a closed
+    terminal). Raised in the main thread as Ctrl-C raises KeyboardInterrupt, and like it not an
+    Exception, so the same ``with``/``finally`` blocks remove temp dirs and half-written artifacts."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
 
 
 class InputError(LlmxError):
