@@ -1,5 +1,6 @@
 """Architecture rules as tests: stages import only earlier stages (in the order the CLI lists them);
-runtime and serve import only the core contract and runtime code, and run without torch."""
+runtime and serve import only the core contract and runtime code, and run without torch; no two
+modules import each other, directly or through others."""
 
 from __future__ import annotations
 
@@ -86,14 +87,19 @@ def test_torch_free_stages_import_nothing_from_torch_at_module_level(stage):
             assert stage_of(module) != "export", f"{path} imports {module}"
 
 
-BLOCK_TORCH = """
+def blocking(*packages: str) -> str:
+    """Python source that makes importing any of ``packages`` fail, as on an install without them."""
+    return f"""
 import sys, importlib.abc
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('torch', 'transformers', 'safetensors'):
+        if name.split('.')[0] in {packages!r}:
             raise ImportError('blocked for this test: ' + name)
 sys.meta_path.insert(0, Block())
 """
+
+
+BLOCK_TORCH = blocking("torch", "transformers", "safetensors")
 
 
 def test_runtime_and_serve_modules_import_with_torch_blocked():
@@ -139,3 +145,138 @@ def test_optional_dependencies_come_through_one_door():
                 if package in optional and f'require("{package}' not in text:
                     bad.append(f"{path.relative_to(ROOT)} imports {module} without require")
     assert not bad, bad
+
+
+# --- No import loops -------------------------------------------------------------------------
+# A loop closed only by an import inside a function still binds both modules together (neither can
+# be read, tested or moved alone), so imports inside functions count as edges too.
+
+
+def package_folders(root: Path) -> dict[str, Path]:
+    """Each llmx package's folder, from pyproject's package-dir mapping (export/ -> llmx.export, ...)."""
+    import tomllib
+
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapping = setuptools["package-dir"]
+    folders = {}
+    for package in setuptools["packages"]:
+        parts = package.split(".")
+        base = next(".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in mapping)
+        folders[package] = root / mapping[base] / Path(*parts[len(base.split(".")):])
+    return folders
+
+
+def module_files(folders: dict[str, Path]) -> dict[str, Path]:
+    """Module name -> file for every module of the given packages (``__init__`` is the package)."""
+    files = {}
+    for package, folder in folders.items():
+        for path in folder.glob("*.py"):
+            files[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return files
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules among ``files`` it imports anywhere in its text (functions included)."""
+    graph = {}
+    for module, path in files.items():
+        package = module if path.stem == "__init__" else module.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                # `from pkg import name`: the submodule when name is one, else the package itself
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in files and t != module)
+        graph[module] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One loop (a -> b -> ... -> a) per strongly connected group of modules that import each other."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def connect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while v not in group:
+                group.add(stack.pop())
+            on_stack.difference_update(group)
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return [_loop_through(graph, group) for group in groups]
+
+
+def _loop_through(graph: dict[str, set[str]], group: set[str]) -> list[str]:
+    """The shortest import path from the group's first module back to itself, inside the group."""
+    start = min(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & group):
+                if w == start:
+                    return paths[v] + [start]
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no loop through {sorted(group)}")
+
+
+def test_the_cycle_check_finds_a_loop_closed_inside_a_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import helper\n")
+    (pkg / "b.py").write_text("def helper():\n    from pkg import a\n    return a\n")
+    (pkg / "c.py").write_text("from . import a\n")  # imports into the loop, not part of it
+    graph = import_graph(module_files({"pkg": pkg}))
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
+    (pkg / "b.py").write_text("def helper():\n    return 1\n")
+    assert import_cycles(import_graph(module_files({"pkg": pkg}))) == []
+
+
+def test_the_package_folders_follow_pyproject():
+    folders = package_folders(ROOT)
+    assert folders["llmx.export"] == ROOT / "export" and folders["llmx.artifact"] == ROOT / "llmx" / "artifact"
+    assert "llmx.calibration.search" in module_files(folders)
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = import_cycles(import_graph(module_files(package_folders(ROOT))))
+    assert not cycles, "import loops: " + "; ".join(" -> ".join(loop) for loop in cycles)
+
+
+def test_calibration_imports_without_onnx():
+    """``llmx eval`` (a runtime command, on edge boxes without onnx) reads text through
+    llmx.calibration.data: the calibration package loads onnx and onnxruntime only when it runs."""
+    code = blocking("onnx", "onnxruntime", "torch") + """
+import pkgutil, importlib, llmx.calibration
+for info in pkgutil.iter_modules(llmx.calibration.__path__):
+    importlib.import_module('llmx.calibration.' + info.name)
+print('ok')
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
