@@ -71,6 +71,24 @@ def test_batched_scoring_equals_one_window_at_a_time(engine, text_file):
     assert batched.nll == pytest.approx(single.nll, rel=1e-5)
 
 
+def test_the_shared_comparer_on_known_distributions():
+    """llmx.compare, which eval, calibrate and export --verify all measure with, on numbers worked by hand."""
+    from llmx.compare import Agreement, cosine, max_abs_diff
+
+    ref = np.log(np.array([[0.5, 0.5], [0.9, 0.1]]))
+    cand = np.log(np.array([[0.25, 0.75], [0.9, 0.1]]))
+    result = Agreement()
+    result.add(ref, cand, np.array([1, 0]))
+    summary = result.summary()
+    assert summary["reference_perplexity"] == pytest.approx(np.exp(-(np.log(0.5) + np.log(0.9)) / 2))
+    assert summary["perplexity"] == pytest.approx(np.exp(-(np.log(0.75) + np.log(0.9)) / 2))
+    assert summary["top1_agreement"] == 0.5  # argmax ties go to the first token: 0 against 1, then 0 and 0
+    assert summary["mean_kl"] == pytest.approx((0.5 * np.log(0.5 / 0.25) + 0.5 * np.log(0.5 / 0.75)) / 2)
+    np.testing.assert_allclose(cosine(np.array([[1.0, 0.0], [1.0, 1.0]]), np.array([[0.0, 2.0], [3.0, 3.0]])), [0, 1])
+    assert max_abs_diff(np.array([1.0, -2.0]), np.array([1.5, 1.0])) == 3.0
+    assert max_abs_diff(np.zeros((0, 4)), np.zeros((0, 4))) == 0.0
+
+
 @pytest.mark.parametrize(
     "extra, words",
     [
