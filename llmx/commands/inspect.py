@@ -38,6 +38,11 @@ def _ranges(numbers: list[str]) -> str:
     return "{" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) + "}"
 
 
+def _echo_list(label: str, items: list[str]) -> None:
+    click.echo(textwrap.fill(", ".join(items), width=100, break_long_words=False, break_on_hyphens=False,
+                             initial_indent=f"  {label}: ", subsequent_indent="    "))
+
+
 def _not_an_artifact_dir(path: Path) -> None:
     """A file given where an artifact directory belongs: say what it is instead of 'does not exist'."""
     with path.open("rb") as f:
@@ -81,9 +86,7 @@ def register(cli: click.Group) -> None:
             if manifest.precision.fallback:
                 # A searched w4 artifact can keep dozens of MatMuls back; one per layer pattern reads.
                 names = manifest.precision.fallback
-                click.echo(textwrap.fill(", ".join(_compact(names)), width=100, break_long_words=False, break_on_hyphens=False,
-                                         initial_indent=f"  fallback ({len(names)} MatMuls in higher precision): ",
-                                         subsequent_indent="    "))
+                _echo_list(f"fallback ({len(names)} MatMuls in higher precision)", _compact(names))
             if manifest.kv is not None:
                 click.echo(f"  kv cache: {manifest.kv.dtype}, {manifest.kv.num_layers} layers x {manifest.kv.num_kv_heads} heads x {manifest.kv.head_dim}")
             for name, g in manifest.graphs.items():
@@ -92,7 +95,7 @@ def register(cli: click.Group) -> None:
                     shown = tensors if len(tensors) <= 6 else [*tensors[:4], None, tensors[-1]]
                     for t in shown:
                         click.echo("      ..." if t is None else f"    {kind:3} {t.name}: {t.dtype}[{', '.join(map(str, t.shape))}]")
-            click.echo("  files: " + ", ".join(f"{rel} {_size(n)}" for rel, n in sizes.items()))
+            _echo_list("files", [f"{rel} {_size(n)}" for rel, n in sizes.items()])
             if manifest.tensorrt is not None:
                 trt, limits = manifest.tensorrt, manifest.tensorrt.limits
                 click.echo(f"  tensorrt {trt.version}: {trt.precision} {trt.layout} engines ({', '.join(e.file for e in trt.engines.values())}) "
