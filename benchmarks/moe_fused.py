@@ -3,7 +3,7 @@
     python benchmarks/moe_fused.py [--hidden 512] [--inner 1024] [--experts 8] [--top-k 2] [--threads 2]
 
 One MoE block (router, top-k, SwiGLU experts) as a standalone graph in each formulation of
-llmx/optimize/moe.py, plus the portable graphs' dense form (every expert, combined with the
+llmx/fused/moe.py, plus the portable graphs' dense form (every expert, combined with the
 routing weights). The router's logits are of order 1, so the top-k weights are far from one-hot and the
 renormalization matters. Each is checked against a numpy reference (with and without renormalizing
 the top-k weights), then timed for decode-sized (1 and 4 tokens) and prefill-sized (64 tokens)
@@ -21,8 +21,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto
 
-from llmx.optimize.graph import GraphBuilder
-from llmx.optimize.moe import MoEWeights, contrib_layout, moe_block
+from llmx.fused.graph import GraphBuilder
+from llmx.fused.moe import MoEWeights, contrib_layout, moe_block
 
 SILU = ("QuickGelu", "com.microsoft", {"alpha": 1.0})
 

@@ -1,7 +1,8 @@
 """w8 and w4: weight-only quantization of MatMul weights to ONNX Runtime's MatMulNBits.
 
 Weights are quantized in blocks of ``block_size`` input channels per output column (one scale,
-and a zero point unless symmetric, per block) with ``MatMulNBitsQuantizer``: the same operator
+and a zero point unless symmetric, per block) with ``MatMulNBitsQuantizer`` (whose per-weight
+rounding ``llmx export --precision`` calls too, through llmx/quant_blocks.py): the same operator
 and layout onnxruntime-genai builds for its int4 and int8 models. ``accuracy_level`` 4 lets the
 CPU kernel multiply in INT8 (activations quantized per block on the fly), which is what makes
 MatMulNBits fast on CPUs; without it 8-bit weights are dequantized to fp32 on every call.
@@ -21,16 +22,7 @@ from collections.abc import Collection
 
 from llmx.calibration.matmuls import name_nodes, weight_matmuls
 from llmx.calibration.quiet import quiet_logging
-from llmx.errors import InputError
-
-BITS = {"w8": 8, "w4": 4}
-CPU_ACCURACY_LEVEL = 4  # MatMulNBits: compute in INT8 on CPU (genai's CPU default too)
-
-
-def check_block_size(block_size: int) -> None:
-    # MatMulNBits kernels take power-of-two blocks of at least 16 input channels.
-    if block_size < 16 or block_size & (block_size - 1):
-        raise InputError(f"--block-size must be a power of two, at least 16; got {block_size}")
+from llmx.quant_blocks import BITS, CPU_ACCURACY_LEVEL, check_block_size  # noqa: F401 (this stage's names for them)
 
 
 def quantize_weights(model, scheme: str, block_size: int, symmetric: bool, fallback: Collection[str] = (),

@@ -1,5 +1,13 @@
 """Export: Hugging Face checkpoints -> ONNX prefill/decode graphs in an llmx artifact (needs torch).
 
+Two ways to the graphs (``graphs``):
+
+- "portable" (default): llmx's torch modules traced by torch's dynamo exporter; standard ONNX
+  ops that TensorRT and other runtimes read. Loads the model (fp32) into memory.
+- "fused": ONNX Runtime's fused graphs written from the ModelSpec (what ``llmx optimize``
+  writes) with the weights streamed from the memory-mapped checkpoint one tensor at a time
+  (export/fused.py), optionally quantized as they pass (``precision`` w8/w4).
+
 Importing this package is cheap and torch-free; ``export_checkpoint`` pulls in torch.
 """
 
@@ -9,16 +17,11 @@ from pathlib import Path
 from typing import Callable
 
 from llmx.artifact.manifest import Manifest
+from llmx.errors import InputError
+from llmx.quant_blocks import BITS, UNSEARCHED_BLOCK_SIZE, check_block_size
 
-KV_LAYOUT = {
-    "layout": "batch,kv_heads,sequence,head_dim",
-    "past": "past_key_values.{i}.{kv}",
-    "present": "present.{i}.{kv}",
-    "dtype": "float32",
-    # A sequence's token at position p is stored in slot p. Decode scatters new entries at
-    # position_ids, so past and present may (and should) be bound to the same buffer.
-    "update": "scatter_at_position",
-}
+GRAPH_KINDS = ("portable", "fused")
+PRECISIONS = ("fp32", "w8", "w4")
 
 
 def export_checkpoint(
@@ -28,34 +31,66 @@ def export_checkpoint(
     verify: bool = False,
     all_logits: bool = False,
     force: bool = False,
+    graphs: str | None = None,
+    precision: str = "fp32",
+    block_size: int = UNSEARCHED_BLOCK_SIZE,
     log: Callable[[str], None] = lambda msg: None,
 ) -> Manifest:
-    """Export a local HF checkpoint (decoder or encoder) or a GGUF file to an artifact directory; returns its manifest."""
+    """Export a local HF checkpoint (decoder or encoder) or a GGUF file to an artifact directory; returns its manifest.
+
+    ``graphs`` None: "fused" for a quantized ``precision`` (MatMulNBits is an ONNX Runtime op),
+    else "portable".
+    """
     from llmx.artifact.staging import finish, staged_artifact
-    from llmx.export.checkpoint import load_model, open_checkpoint
+    from llmx.export.checkpoint import open_checkpoint
     from llmx.export.gguf import gguf_file
+    from llmx.export.manifest import with_export_lineage
+    from llmx.export.memory import check_export_fits
     from llmx.export.tokenizer import package_tokenizer
 
+    graphs = _check_options(graphs, precision, block_size, verify)
     if (gguf := gguf_file(src)) is not None:  # a .gguf file, or a directory holding one
         from llmx.export.gguf_export import export_gguf
 
+        if graphs != "portable" or precision != "fp32":
+            raise InputError("a GGUF file exports as it is quantized (its own blocks); --graphs and --precision "
+                             "apply to Hugging Face checkpoints")
         return export_gguf(gguf, out, verify=verify, all_logits=all_logits, force=force, log=log)
     checkpoint = open_checkpoint(src)
     spec = checkpoint.spec
     if spec.kind == "encoder":
         from llmx.export.encoder import read_sentence_config
 
+        if graphs == "fused":
+            raise InputError("--graphs fused is for decoders; an encoder exports portable graphs")
         for key, value in read_sentence_config(checkpoint.path).items():
             setattr(spec, key, value)
+    check_export_fits(checkpoint, out, graphs, precision, block_size)
+    if graphs == "fused":
+        from llmx.export.fused import export_fused
+
+        with staged_artifact(out, overwrite=force) as tmp:
+            tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
+            manifest = export_fused(checkpoint, tmp, tokenizer, all_logits=all_logits, precision=precision,
+                                    block_size=block_size, log=log)
+            return finish(tmp, manifest)
+
+    from llmx.export.checkpoint import load_model
+
     log(f"loading {spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) from {checkpoint.path}")
     model = load_model(checkpoint)
     with staged_artifact(out, overwrite=force) as tmp:
         tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
         log(f"exporting {'the embedding graph' if spec.kind == 'encoder' else 'prefill and decode graphs'}")
-        export = _export_encoder if spec.kind == "encoder" else _export_decoder
-        manifest = export(model, tmp, tokenizer, all_logits)
-        manifest.lineage = [{"stage": "export", "source": str(checkpoint.path),
-                             **({"prefill_logits": "all" if all_logits else "last"} if spec.kind == "decoder" else {})}]
+        if spec.kind == "encoder":
+            from llmx.export.encoder import encoder_manifest
+
+            manifest = with_export_lineage(encoder_manifest(model, tmp, tokenizer), str(checkpoint.path))
+        else:
+            from llmx.export.onnx_export import traced_decoder_manifest
+
+            manifest = with_export_lineage(traced_decoder_manifest(model, tmp, tokenizer, all_logits), str(checkpoint.path),
+                                           prefill_logits="all" if all_logits else "last")
         if verify:
             log("verifying ONNX Runtime against PyTorch")
             from llmx.export.verify import verify_export
@@ -66,30 +101,20 @@ def export_checkpoint(
     return manifest
 
 
-def _export_decoder(model, tmp: Path, tokenizer: dict, all_logits: bool) -> Manifest:
-    from llmx.export.onnx_export import export_decoder
-    from llmx.artifact.onnx_files import describe_graph, load_graph
-
-    spec = model.spec
-    export_decoder(model, tmp, all_logits=all_logits)
-    graphs = {name: describe_graph(load_graph(tmp / f"{name}.onnx"), f"{name}.onnx") for name in ("prefill", "decode")}
-    return Manifest(
-        kind="decoder",
-        model=spec.to_dict(),
-        graphs=graphs,
-        tokenizer=tokenizer,
-        precision=dict(FP32),
-        kv={**KV_LAYOUT, "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
-    )
-
-
-def _export_encoder(model, tmp: Path, tokenizer: dict, all_logits: bool) -> Manifest:
-    from llmx.export.encoder import export_encoder
-    from llmx.artifact.onnx_files import describe_graph, load_graph
-
-    export_encoder(model, tmp)
-    graphs = {"embed": describe_graph(load_graph(tmp / "embed.onnx"), "embed.onnx")}
-    return Manifest(kind="encoder", model=model.spec.to_dict(), graphs=graphs, tokenizer=tokenizer, precision=dict(FP32))
-
-
-FP32 = {"weights": "float32", "activations": "float32", "scheme": None}
+def _check_options(graphs: str | None, precision: str, block_size: int, verify: bool) -> str:
+    """The graph kind to write; refuses a combination before anything is read."""
+    if precision not in PRECISIONS:
+        raise InputError(f"--precision {precision} is not supported; use one of {', '.join(PRECISIONS)} "
+                         "(fp16/bf16 artifacts: `llmx build --precision` lowers for GPUs)")
+    graphs = graphs or ("fused" if precision in BITS else "portable")
+    if graphs not in GRAPH_KINDS:
+        raise InputError(f"--graphs must be one of {', '.join(GRAPH_KINDS)}, got {graphs!r}")
+    if precision in BITS:
+        check_block_size(block_size)
+        if graphs == "portable":
+            raise InputError(f"--precision {precision} writes ONNX Runtime's MatMulNBits, which portable graphs do not "
+                             "hold; use --graphs fused (or export portable, then `llmx calibrate`)")
+    if verify and graphs == "fused":
+        raise InputError("--verify compares the graphs with the PyTorch model, which --graphs fused never loads; "
+                         "export portable graphs to verify")
+    return graphs

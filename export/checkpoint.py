@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from llmx.errors import CheckpointError
 from llmx.spec import ModelSpec, spec_from_hf_config
-from llmx.weight_names import all_weights, layer_weights, model_weights
+from llmx.weight_names import layer_weights, model_weights
 
 # (llmx weight role (llmx.weight_names), HF names relative to a layer or the model, how to combine).
 # "{i}" is the layer.
@@ -270,14 +271,27 @@ def read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF tensor names -> llmx module names (llmx.weight_names), as float32. Raises on missing tensors.
+def map_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF tensor names -> llmx module names (llmx.weight_names), as float32. Raises on missing tensors."""
+    return {name: tensor for _, name, tensor in iter_weights(spec, hf)}
 
+
+def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(role, llmx module name, float32 tensor) of every weight ``spec`` declares: the model's
+    weights, then layer by layer, each with the spec's constant factors folded in.
+
+    ``hf`` is read a tensor at a time, only for the weight being made: a lazy mapping (memory-
+    mapped safetensors, export/streaming.py) keeps no more than one combined weight in memory.
     The declaration decides which weights the model has: a rule whose weight the spec lacks is
     skipped, a declared weight no rule produces is an error (a half-added family).
     """
     rules = WEIGHT_RULES[spec.family]
-    hf = {_strip(name, rules["prefixes"]): t for name, t in hf.items()}
+    hf = _Stripped(hf, rules["prefixes"])
+    declared = model_weights(spec)
+    head = [rules["head"]] if rules["head"] and not spec.tie_word_embeddings else []
+    tied = "lm_head" in declared and spec.tie_word_embeddings
+    _check_rules_cover(spec, {r[0] for r in [*rules["model"], *head]} | ({"lm_head"} if tied else set()),
+                       {r[0] for r in rules["layer"]})
 
     def take(names: list[str], how: str) -> torch.Tensor:
         if repeat := _repeat_key(names, spec):
@@ -293,45 +307,64 @@ def map_weights(spec: ModelSpec, hf: dict[str, torch.Tensor]) -> dict[str, torch
             parts = [p.t() for p in parts]
         return torch.cat(parts, dim=-1).contiguous() if len(parts) > 1 or parts[0].dim() == 1 else parts[0].contiguous()
 
-    out: dict[str, torch.Tensor] = {}
-    declared = model_weights(spec)
-    head = [rules["head"]] if rules["head"] and not spec.tie_word_embeddings else []
     for role, names, how in [*rules["model"], *head]:
         if role in declared:
-            out[declared[role]] = take(names, how)
-    if "lm_head" in declared and spec.tie_word_embeddings:
-        out[declared["lm_head"]] = out[declared["embed"]].t().contiguous()
+            yield role, declared[role], _folded(spec, role, take(names, how))
+    if tied:  # the unscaled table, transposed
+        embed = next(row for row in rules["model"] if row[0] == "embed")
+        yield "lm_head", declared["lm_head"], _folded(spec, "lm_head", take(*embed[1:]).t().contiguous())
     for i in range(spec.num_layers):
         layer, declared_here = rules["layer_prefix"].format(i=i), layer_weights(spec, i)
         for role, names, how in rules["layer"]:
             if role in declared_here:
-                out[declared_here[role]] = take([layer + n for n in names], how)
-    unmapped = [name for name in all_weights(spec) if name not in out]
+                yield role, declared_here[role], _folded(spec, role, take([layer + n for n in names], how))
+
+
+def _check_rules_cover(spec: ModelSpec, model_roles: set[str], layer_roles: set[str]) -> None:
+    unmapped = [name for role, name in model_weights(spec).items() if role not in model_roles]
+    for i in range(spec.num_layers):
+        unmapped += [name for role, name in layer_weights(spec, i).items() if role not in layer_roles]
     if unmapped:
         raise CheckpointError(f"internal error: no {spec.family} weight rule gives {unmapped[0]}")
-    _fold_multipliers(spec, out)
-    return out
 
 
-def _fold_multipliers(spec: ModelSpec, out: dict[str, torch.Tensor]) -> None:
-    """Apply the spec's constant factors to the weights they multiply, so no graph needs a node for them.
+def _folded(spec: ModelSpec, role: str, t: torch.Tensor) -> torch.Tensor:
+    """Weight ``role`` with the spec's constant factors applied, so no graph needs a node for them.
 
     Each is the same single fp32 operation the reference does at run time (Gemma's ``1 + w``
     norms, scaled embeddings) or moves a scalar across a matmul (Granite's multipliers), which
-    changes results only by float rounding. A tied head was copied from the unscaled table.
+    changes results only by float rounding. Out of place: ``t`` may be the checkpoint's own
+    (memory-mapped) tensor.
     """
-    scopes = [model_weights(spec)] + [layer_weights(spec, i) for i in range(spec.num_layers)]
     with torch.no_grad():
-        for scope in scopes:
-            for role, name in scope.items():
-                if spec.norm_offset and spec.norm == "rms" and role.endswith("norm"):
-                    out[name] += spec.norm_offset
-                if spec.residual_scale != 1.0 and role in ("o", "o_bias", "down", "down_bias"):
-                    out[name] *= spec.residual_scale
-        if spec.embed_scale != 1.0:
-            out[scopes[0]["embed"]] *= torch.tensor(spec.embed_scale, dtype=torch.float32)
-        if spec.logits_scale != 1.0:
-            out[scopes[0]["lm_head"]] /= spec.logits_scale
+        if spec.norm_offset and spec.norm == "rms" and role.endswith("norm"):
+            t = t + spec.norm_offset
+        if spec.residual_scale != 1.0 and role in ("o", "o_bias", "down", "down_bias"):
+            t = t * spec.residual_scale
+        if spec.embed_scale != 1.0 and role == "embed":
+            t = t * torch.tensor(spec.embed_scale, dtype=torch.float32)
+        if spec.logits_scale != 1.0 and role == "lm_head":
+            t = t / spec.logits_scale
+    return t
+
+
+class _Stripped(Mapping):
+    """A checkpoint's tensors under their names without the family's model prefix, read on access."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], prefixes: tuple[str, ...]):
+        self.tensors, self.names = tensors, {_strip(name, prefixes): name for name in tensors}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[self.names[name]]
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _repeat_key(names: list[str], spec: ModelSpec) -> tuple[str, int] | None:

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmx.artifact.manifest import Manifest
 from llmx.errors import CheckpointError
+from llmx.export.manifest import FP32
 from llmx.export.modules import MLP, Attention, make_norm
 from llmx.spec import ModelSpec
 
@@ -120,3 +122,12 @@ def export_encoder(model: Encoder, out_dir: Path) -> dict:
         _strip_metadata(graph)
         save_graphs({"embed": graph}, out_dir, sources={"embed": Path(tmp)})
     return {"embed": graph}
+
+
+def encoder_manifest(model: Encoder, out_dir: Path, tokenizer: dict) -> Manifest:
+    """Trace the embedding graph into ``out_dir``; the encoder artifact's manifest (no lineage yet)."""
+    from llmx.artifact.onnx_files import describe_graph, load_graph
+
+    export_encoder(model, out_dir)
+    graphs = {"embed": describe_graph(load_graph(out_dir / "embed.onnx"), "embed.onnx")}
+    return Manifest(kind="encoder", model=model.spec.to_dict(), graphs=graphs, tokenizer=tokenizer, precision=dict(FP32))

@@ -20,8 +20,10 @@ from typing import Callable
 import numpy as np
 
 from llmx.export.gguf import GGUFSource, open_gguf, unpermute_rows
-from llmx.export.gguf_blocks import BITS, Blocks, concat_rows, from_gguf, replace_matmuls
-from llmx.artifact.manifest import LineageEntry, Manifest, Precision, sha256_file
+from llmx.artifact.manifest import Manifest, Precision, sha256_file
+from llmx.export.gguf_blocks import BITS, from_gguf
+from llmx.export.manifest import with_export_lineage
+from llmx.quant_blocks import CPU_ACCURACY_LEVEL, Blocks, concat_rows, replace_matmuls
 
 # llmx linear weight -> the GGUF tensors stacked along its output axis.
 LINEAR_SOURCES = {
@@ -30,7 +32,7 @@ LINEAR_SOURCES = {
     "layers.{i}.mlp.up.weight": ("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"),
     "layers.{i}.mlp.down.weight": ("blk.{i}.ffn_down.weight",),
 }
-ACCURACY_LEVEL = 4  # as `calibrate --scheme w8/w4`: the CPU kernel multiplies in int8 (what llama.cpp does too)
+ACCURACY_LEVEL = CPU_ACCURACY_LEVEL  # as `calibrate --scheme w8/w4`: the CPU kernel multiplies in int8 (what llama.cpp does too)
 
 
 def export_gguf(
@@ -44,8 +46,8 @@ def export_gguf(
 ) -> Manifest:
     """Export the GGUF file ``path`` to an artifact directory; returns its manifest."""
     from llmx.artifact.staging import finish, staged_artifact
-    from llmx.export import _export_decoder
     from llmx.export.checkpoint import build_model, map_weights
+    from llmx.export.onnx_export import traced_decoder_manifest
     from llmx.export.gguf_tokenizer import package_gguf_tokenizer
     from llmx.spec import spec_from_hf_config
 
@@ -58,7 +60,7 @@ def export_gguf(
         tokenizer = package_gguf_tokenizer(source.field, tmp)
         log("exporting prefill and decode graphs")
         fp32_dir = Path(scratch) if blocks else tmp
-        manifest = _export_decoder(model, fp32_dir, tokenizer, all_logits)
+        manifest = traced_decoder_manifest(model, fp32_dir, tokenizer, all_logits)
         if verify:
             from llmx.export.verify import verify_export
 
@@ -67,7 +69,7 @@ def export_gguf(
         if blocks:
             log(f"MatMulNBits from the GGUF's own blocks for {len(blocks)} weights")
             manifest.graphs, manifest.precision = _write_quantized(fp32_dir, tmp, blocks)
-        manifest.lineage = [LineageEntry(stage="export", details={"source": str(path), "format": "gguf"})]
+        manifest = with_export_lineage(manifest, str(path), format="gguf")
         manifest.extras["gguf"] = _record(source, blocks)
         if dequantized := manifest.extras["gguf"]["dequantized"]:
             log("dequantized to float32: " + ", ".join(f"{name} ({kind})" for name, kind in dequantized.items()))
@@ -105,10 +107,11 @@ def _blocks(source: GGUFSource, names: list[str], spec) -> Blocks | None:
 def _write_quantized(fp32_dir: Path, tmp: Path, blocks: dict[str, Blocks]):
     from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
-    by_initializer = {f"model.{k}": v for k, v in blocks.items()} | blocks  # the exporter may prefix "model."
+    by_name = {f"model.{k}": v for k, v in blocks.items()} | blocks  # the exporter may prefix "model."
     graphs = {}
     for name in ("prefill", "decode"):
         graphs[name] = load_graph(fp32_dir / f"{name}.onnx")
+        by_initializer = {weight: b.initializers(weight) for weight, b in by_name.items()}
         if len(replace_matmuls(graphs[name], by_initializer, ACCURACY_LEVEL)) != len(blocks):
             raise RuntimeError(f"{name}.onnx: not every quantized GGUF weight was found as a MatMul weight")
     save_graphs(graphs, tmp, sources={name: fp32_dir for name in graphs})

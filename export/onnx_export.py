@@ -16,7 +16,9 @@ import torch
 
 from llmx.export.modules import Decoder, DecodeGraph, PrefillGraph
 from llmx.logits_to_keep import add_to_decode_graph
-from llmx.artifact.onnx_files import load_graph, save_graphs
+from llmx.artifact.manifest import Manifest
+from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
+from llmx.export.manifest import decoder_manifest
 from llmx.weight_names import graph_name, model_weights
 
 OPSET = 20
@@ -112,6 +114,13 @@ def export_decoder(model: Decoder, out_dir: Path, all_logits: bool = False) -> d
         add_to_decode_graph(graphs["decode"], graph_name(model_weights(spec)["lm_head"]))
         save_graphs(graphs, out_dir, sources={name: tmp for name in graphs})
     return graphs
+
+
+def traced_decoder_manifest(model: Decoder, out_dir: Path, tokenizer: dict, all_logits: bool) -> Manifest:
+    """Trace prefill and decode into ``out_dir``; the decoder artifact's manifest (no lineage yet)."""
+    export_decoder(model, out_dir, all_logits=all_logits)
+    graphs = {name: describe_graph(load_graph(out_dir / f"{name}.onnx"), f"{name}.onnx") for name in ("prefill", "decode")}
+    return decoder_manifest(model.spec, graphs, tokenizer)
 
 
 def _strip_metadata(model) -> None:

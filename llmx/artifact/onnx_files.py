@@ -38,45 +38,87 @@ def _tensor_bytes(init, base_dir: Path | None) -> bytes:
     return onnx.numpy_helper.to_array(init).tobytes()
 
 
-def save_graphs(graphs: dict[str, "onnx.ModelProto"], out_dir: Path, sources: dict[str, Path] | None = None) -> None:
+class WeightsFile:
+    """The artifact's ``weights.bin``, appended to one tensor at a time.
+
+    Through ``store`` a tensor of the same name and content is stored once; large tensors start
+    on 64 KiB boundaries (ONNX Runtime memory-maps them), small ones on 64 bytes.
+    """
+
+    inline_limit = _INLINE_LIMIT
+
+    def __init__(self, out_dir: Path, mode: str = "wb"):
+        self.file = open(Path(out_dir) / WEIGHTS_FILE, mode)
+        self.file.seek(0, 2)
+        self.written: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def __enter__(self) -> "WeightsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    def append(self, raw: bytes | memoryview) -> tuple[int, int]:
+        """Write ``raw`` at the next aligned offset; returns (offset, length)."""
+        align = _ALIGN_LARGE if len(raw) >= (1 << 20) else _ALIGN
+        self.file.write(b"\0" * (-self.file.tell() % align))
+        offset = self.file.tell()
+        self.file.write(raw)
+        return offset, len(raw)
+
+    def store(self, init, raw: bytes | memoryview) -> None:
+        """Make initializer ``init`` hold ``raw``: inline if small, else a reference into this file."""
+        onnx = _onnx()
+        if len(raw) <= self.inline_limit:
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                del init.external_data[:]
+                init.data_location = onnx.TensorProto.DEFAULT
+                init.raw_data = bytes(raw)
+            return
+        key = (init.name, hashlib.sha1(raw).hexdigest())
+        if key not in self.written:
+            self.written[key] = self.append(raw)
+        offset, length = self.written[key]
+        init.ClearField("raw_data")
+        for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+            init.ClearField(field)
+        external_reference(init, offset, length)
+
+
+def external_reference(init, offset: int, length: int) -> None:
+    """Point initializer ``init`` at ``length`` bytes of the artifact's weights.bin from ``offset``."""
+    onnx = _onnx()
+    del init.external_data[:]
+    init.data_location = onnx.TensorProto.EXTERNAL
+    for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+        entry = init.external_data.add()
+        entry.key, entry.value = k, v
+
+
+def save_graphs(graphs: dict[str, "onnx.ModelProto"], out_dir: Path, sources: dict[str, Path] | None = None,
+                append: bool = False) -> None:
     """Write ``{name}.onnx`` for each graph with large tensors in one shared ``weights.bin``.
 
     ``sources`` gives, per graph, the directory its external data currently lives in (for
     graphs loaded with ``load_external_data=False``); tensors of the same name and content are
-    written once.
+    written once. With ``append``, ``out_dir``'s weights.bin already holds tensors the graphs
+    reference (a streamed export wrote them there); they stay, and the rest is added after them.
     """
     onnx = _onnx()
     out_dir = Path(out_dir)
     sources = sources or {}
-    written: dict[tuple[str, str], tuple[int, int]] = {}
-    with open(out_dir / WEIGHTS_FILE, "wb") as data:
+    with WeightsFile(out_dir, "ab" if append else "wb") as data:
         for name, model in graphs.items():
             for init in model.graph.initializer:
-                raw = _tensor_bytes(init, sources.get(name))
-                if len(raw) <= _INLINE_LIMIT:
-                    if init.data_location == onnx.TensorProto.EXTERNAL:
-                        del init.external_data[:]
-                        init.data_location = onnx.TensorProto.DEFAULT
-                        init.raw_data = raw
+                if append and _in_weights_file(init):
                     continue
-                key = (init.name, hashlib.sha1(raw).hexdigest())
-                if key not in written:
-                    align = _ALIGN_LARGE if len(raw) >= (1 << 20) else _ALIGN
-                    pad = -data.tell() % align
-                    data.write(b"\0" * pad)
-                    written[key] = (data.tell(), len(raw))
-                    data.write(raw)
-                offset, length = written[key]
-                init.ClearField("raw_data")
-                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
-                    init.ClearField(field)
-                del init.external_data[:]
-                init.data_location = onnx.TensorProto.EXTERNAL
-                for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
-                    entry = init.external_data.add()
-                    entry.key, entry.value = k, v
+                data.store(init, _tensor_bytes(init, sources.get(name)))
             model.ir_version = IR_VERSION
             onnx.save_model(model, str(out_dir / f"{name}.onnx"))
+
+
+def _in_weights_file(init) -> bool:
+    return any(e.key == "location" and e.value == WEIGHTS_FILE for e in init.external_data)
 
 
 def load_graph(path: Path, with_weights: bool = False) -> "onnx.ModelProto":

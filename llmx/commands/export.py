@@ -3,6 +3,8 @@ import time
 
 import click
 
+from llmx.quant_blocks import UNSEARCHED_BLOCK_SIZE
+
 # Export's slow phases (tracing each graph, writing weights) report nothing on their own for
 # minutes on a real model: a line at least this often says it is still working.
 HEARTBEAT_S = 15.0
@@ -43,8 +45,18 @@ def register(cli: click.Group) -> None:
     @click.option("-o", "--output", required=True, type=click.Path(path_type=str), help="Artifact directory to write.")
     @click.option("--verify", is_flag=True, help="Run the graphs on ONNX Runtime and compare with PyTorch; fail on mismatch.")
     @click.option("--all-logits", is_flag=True, help="Prefill returns logits for every position (for evaluation), not only the last.")
+    @click.option("--graphs", type=click.Choice(["portable", "fused"]), default=None,
+                  help="portable: traced standard ONNX (TensorRT reads it; loads the model). fused: ONNX Runtime's "
+                       "fused graphs (what `llmx optimize` writes), weights streamed a tensor at a time. "
+                       "Default: fused for w8/w4, else portable.")
+    @click.option("--precision", default="fp32", show_default=True, metavar="fp32|w8|w4",
+                  help="Weights as written: w8/w4 quantize each MatMul weight as it streams past "
+                       "(calibrate --no-search's blocks; no quality report).")
+    @click.option("--block-size", type=int, default=UNSEARCHED_BLOCK_SIZE, show_default=True,
+                  help="w8/w4: input channels per scale (a power of two, at least 16).")
     @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
-    def export(checkpoint: str, output: str, verify: bool, all_logits: bool, force: bool) -> None:
+    def export(checkpoint: str, output: str, verify: bool, all_logits: bool, graphs: str | None, precision: str,
+               block_size: int, force: bool) -> None:
         """Export a local Hugging Face checkpoint directory to an artifact.
 
         \b
@@ -58,9 +70,16 @@ def register(cli: click.Group) -> None:
         CHECKPOINT may also be a GGUF file (or a directory holding one): llama and qwen2
         architectures; Q8_0/Q4_0/Q4_1 weights stay in their blocks (MatMulNBits), other
         types are dequantized to float32 (docs/export.md).
+
+        \b
+        --graphs fused never loads the model: the weights go from the memory-mapped
+        checkpoint to weights.bin one tensor at a time (--precision w8/w4 quantizes them on
+        the way). Before starting, export checks the memory and disk it will need and stops
+        with the numbers, and the flags that would fit, if this machine lacks them.
         """
         from llmx.export import export_checkpoint
 
         with Progress() as log:
-            manifest = export_checkpoint(checkpoint, output, verify=verify, all_logits=all_logits, force=force, log=log)
+            manifest = export_checkpoint(checkpoint, output, verify=verify, all_logits=all_logits, force=force,
+                                         graphs=graphs, precision=precision, block_size=block_size, log=log)
             log(f"wrote {output} ({manifest.model.family}, {len(manifest.graphs)} graph{'' if len(manifest.graphs) == 1 else 's'})")

@@ -31,9 +31,9 @@ from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold
 from llmx.spec import ModelSpec
 from llmx.artifact.manifest import GraphSpec
 from llmx.weight_names import graph_name, layer_weights, model_weights
-from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
-from llmx.optimize.moe import check_moe_supported, moe_layer
-from llmx.optimize.weights import SourceWeights
+from llmx.fused.graph import MS_DOMAIN, GraphBuilder
+from llmx.fused.moe import check_moe_supported, moe_layer
+from llmx.fused.weights import WeightSource
 
 INT32 = 6  # onnx.TensorProto.INT32
 BOOL = 9
@@ -54,7 +54,7 @@ class Context:
 
     g: GraphBuilder
     spec: ModelSpec
-    w: SourceWeights
+    w: WeightSource
     kind: str  # "prefill" | "decode"
     seqlens_k: str
     total_len: str
@@ -78,7 +78,7 @@ def check_supported(spec: ModelSpec) -> None:
         raise ArtifactError(f"{feature} with LayerNorm has no fused block here; use the exported artifact as is")
 
 
-def build_graph(spec: ModelSpec, w: SourceWeights, kind: str, io: GraphSpec, all_logits: bool = False):
+def build_graph(spec: ModelSpec, w: WeightSource, kind: str, io: GraphSpec, all_logits: bool = False):
     """The optimized ``kind`` graph with exactly the inputs and outputs described by ``io``."""
     g = GraphBuilder(f"llmx_{kind}")
     for t in io.inputs:
@@ -122,7 +122,7 @@ def _names(declared: dict[str, str]) -> dict[str, str]:
     return {role: graph_name(name) for role, name in declared.items()}
 
 
-def _context(g: GraphBuilder, spec: ModelSpec, w: SourceWeights, kind: str) -> Context:
+def _context(g: GraphBuilder, spec: ModelSpec, w: WeightSource, kind: str) -> Context:
     mask = "attention_mask"
     total64 = g.op1("Squeeze", [g.op1("Shape", [mask], start=1, end=2), g.const([0], dtype=np.int64)])
     total = g.op1("Cast", [total64], to=INT32)

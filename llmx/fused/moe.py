@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from llmx.errors import ArtifactError
-from llmx.optimize.graph import MS_DOMAIN, GraphBuilder
+from llmx.fused.graph import MS_DOMAIN, GraphBuilder
 from llmx.spec import ModelSpec
 
 FORMULATION = "contrib"  # measured faster and as exact: benchmarks/moe_fused.py
@@ -99,7 +99,7 @@ def check_moe_supported(spec: ModelSpec, act: tuple[str, str, dict]) -> None:
 
 def moe_layer(g: GraphBuilder, w, spec: ModelSpec, layer: dict[str, str], x: str, act: tuple[str, str, dict]) -> str:
     """A layer's MoE block; ``layer`` maps weight roles to the exported graphs' names (llmx.weight_names),
-    ``w`` (SourceWeights) holds them."""
+    ``w`` (a WeightSource) holds them."""
     names = MoEWeights(g.weight(w.get(layer["router"])), g.weight(w.get(layer["experts_gate_up"])),
                        g.weight(w.get(layer["experts_down"])))
     if FORMULATION == "contrib":

@@ -1,0 +1,87 @@
+"""What an export will hold and write, estimated from the checkpoint's headers before it starts.
+
+The estimate runs the same weight rules as the export (``iter_weights``) on meta tensors: the
+shapes of every llmx weight, combined and transposed, at no cost. Streamed (--graphs fused):
+the largest weight in flight (its fp32 sources and the fp32 result, plus its blocks when
+quantized) and the constants the graphs carry (RoPE tables, the MoE op's expert copies).
+Portable: the whole fp32 model, 1.65x of it at the measured peak (docs/export.md) plus the
+exporter's ~1 GiB.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmx.export.checkpoint import Checkpoint, iter_weights
+from llmx.export.streaming import MATMUL_ROLES, CheckpointTensors
+from llmx.memory_budget import GiB, Need, check_fits
+from llmx.quant_blocks import BITS
+
+PORTABLE_PEAK = 1.65  # x the fp32 weights: measured, docs/export.md
+EXPORTER_OVERHEAD = 1 * GiB
+
+
+def check_export_fits(checkpoint: Checkpoint, out: str | Path, graphs: str, precision: str, block_size: int) -> None:
+    """Refuse an export that would not fit in memory or on disk, naming the flags that would."""
+    shapes = weight_shapes(checkpoint)
+    if shapes is None:
+        return
+    need = export_need(checkpoint, shapes, graphs, precision, block_size)
+    options = [("--graphs fused", "fp32"), ("--graphs fused --precision w8", "w8"), ("--precision w4", "w4")]
+    alternatives = [(flags, export_need(checkpoint, shapes, "fused", p, block_size)) for flags, p in options
+                    if (graphs, precision) != ("fused", p)]
+    check_fits(f"exporting {checkpoint.path.name} ({graphs}, {precision})", need, out, alternatives)
+
+
+def export_need(checkpoint: Checkpoint, shapes: list[tuple[str, int, int]], graphs: str, precision: str,
+                block_size: int) -> Need:
+    """``shapes``: (role, elements, source bytes) of every llmx weight."""
+    spec = checkpoint.spec
+    fp32 = sum(4 * n for _, n, _ in shapes)
+    if graphs == "portable":
+        return Need(int(PORTABLE_PEAK * fp32) + EXPORTER_OVERHEAD, fp32)
+    bits = BITS.get(precision)
+
+    def stored(role: str, n: int) -> int:
+        if bits is None or role not in MATMUL_ROLES:
+            return 4 * n
+        return n * bits // 8 + 4 * (n // block_size) + n // block_size  # blocks, scales, (zero points)
+
+    in_flight = max(source + 4 * n + stored(role, n) for role, n, source in shapes)
+    rope = 4 * 4 * spec.max_position_embeddings * spec.head_dim  # cos, sin (and LongRoPE's second set), two graphs
+    experts = sum(4 * n for role, n, _ in shapes if role.startswith("experts_"))  # the MoE op's re-laid copies
+    return Need(in_flight + rope + experts, sum(stored(role, n) for role, n, _ in shapes) + rope + experts)
+
+
+def weight_shapes(checkpoint: Checkpoint) -> list[tuple[str, int, int]] | None:
+    """(role, elements, bytes of its source tensors) per llmx weight, from the headers only; None
+    when the weights are not safetensors (their shapes cost a read)."""
+    if any(f.suffix != ".safetensors" for f in checkpoint.weight_files):
+        return None
+    tensors = _MetaTensors(checkpoint.weight_files)
+    shapes = []
+    for role, _, tensor in iter_weights(checkpoint.spec, tensors):
+        shapes.append((role, tensor.numel(), tensors.read_since()))
+    return shapes
+
+
+class _MetaTensors(CheckpointTensors):
+    """A checkpoint's tensors as meta tensors of their shapes and dtypes, counting the bytes asked for."""
+
+    read = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self.where[name].get_slice(name)
+        meta = torch.empty(view.get_shape(), dtype=_DTYPES[view.get_dtype()], device="meta")
+        self.read += meta.numel() * meta.element_size()
+        return meta
+
+    def read_since(self) -> int:
+        read, self.read = self.read, 0
+        return read
+
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}

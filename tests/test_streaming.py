@@ -1,0 +1,197 @@
+"""Streaming export (export/streaming.py, export/fused.py): weights from the memory-mapped checkpoint
+one tensor at a time, fused graphs written directly, w8/w4 quantized on the way.
+
+Each is held to the path it shortcuts: the streamed weights are bit for bit what the torch
+loader makes (every family); ``export --graphs fused`` is ``export`` + ``optimize`` (same IO and
+manifest sections, logits within 1e-5 over prefill and 16 decode steps, greedy identical);
+``export --precision w8|w4`` is ``calibrate --no-search`` on that (identical MatMulNBits
+weights, scales and nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from conftest import VARIANTS
+from llmx.artifact.manifest import load_manifest
+from llmx.export.checkpoint import map_weights, open_checkpoint, read_state_dict
+from llmx.export.streaming import stream_weights
+from llmx.runtime.engine import Engine
+from llmx.runtime.sampling import SamplingParams
+from llmx.weight_names import graph_name
+from test_cli import error_line, leftovers, run
+from test_optimize import steps
+from test_parity import PROMPTS
+
+PORTABLE_TOL = 1e-5  # fused against fused: same kernels, same weights
+GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fused(store):
+    """variant -> `llmx export --graphs fused` of its checkpoint (streamed weights, fp32)."""
+    return lambda variant: store.once(f"fused/{variant}", lambda path: _export(store.checkpoint(variant), path, "--graphs", "fused"))
+
+
+def _export(checkpoint, out, *flags) -> None:
+    from llmx.cli import main
+
+    try:
+        main(["export", str(checkpoint), "-o", str(out), *flags])
+    except SystemExit as exc:
+        assert not exc.code, f"export {' '.join(flags)} failed"
+
+
+def _streamed_arrays(spec, files, tmp_path) -> dict[str, np.ndarray]:
+    weights = stream_weights(spec, files, tmp_path)
+    return {name: numpy_helper.to_array(t, base_dir=str(tmp_path)) for name, t in weights.tensors.items()}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_streamed_weights_are_the_loaders_bit_for_bit(variant, store, tmp_path):
+    checkpoint = open_checkpoint(store.checkpoint(variant))
+    expected = map_weights(checkpoint.spec, read_state_dict(checkpoint.weight_files))
+    streamed = _streamed_arrays(checkpoint.spec, checkpoint.weight_files, tmp_path)
+    assert list(streamed) == [graph_name(name) for name in expected]
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(streamed[graph_name(name)], tensor.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharded_half_precision_checkpoint_streams_as_loaded(dtype, store, tmp_path):
+    """An index over several shards, in bf16/fp16: the same fp32 conversions as the torch loader."""
+    from safetensors.torch import save_file
+
+    src = store.checkpoint("qwen2")
+    ckpt = tmp_path / "sharded"
+    shutil.copytree(src, ckpt, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {k: v.to(dtype) for k, v in read_state_dict(open_checkpoint(src).weight_files).items()}
+    names = sorted(tensors)
+    shards = {f"model-{i + 1:05d}-of-00003.safetensors": names[i::3] for i in range(3)}
+    for file, keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, str(ckpt / file))
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    checkpoint = open_checkpoint(ckpt)
+    assert len(checkpoint.weight_files) == 3
+    expected = map_weights(checkpoint.spec, tensors)
+    streamed = _streamed_arrays(checkpoint.spec, checkpoint.weight_files, tmp_path)
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(streamed[graph_name(name)], tensor.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_export_is_export_then_optimize(variant, fused, store):
+    """Same IO and manifest sections; logits within 1e-5 over prefill and 16 decode steps; greedy identical."""
+    ours, theirs = load_manifest(fused(variant)), load_manifest(store.optimized(variant))
+    for section in ("kind", "model", "graphs", "tokenizer", "precision", "kv"):
+        assert getattr(ours, section) == getattr(theirs, section), section
+    assert ours.stage_applied("export").details["graphs"] == "fused"
+    a, b = Engine.load(fused(variant), threads=1), Engine.load(store.optimized(variant), threads=1)
+    for prompt in PROMPTS:
+        (ours_logits, ours_tokens), (their_logits, their_tokens) = (
+            steps(e.backend, e.encode(prompt), 16) for e in (a, b))
+        assert ours_tokens == their_tokens
+        assert max(np.abs(x - y).max() for x, y in zip(ours_logits, their_logits)) <= PORTABLE_TOL
+    greedy = [e.generate(PROMPTS, GREEDY) for e in (a, b)]
+    assert [r.output_ids for r in greedy[0]] == [r.output_ids for r in greedy[1]]
+
+
+@pytest.fixture(scope="module")
+def calib_text(tmp_path_factory):
+    import argparse
+    import inspect
+
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(inspect.getsource(argparse))
+    return path
+
+
+def _initializers(artifact, graph: str) -> dict[str, np.ndarray]:
+    model = onnx.load_model(str(artifact / f"{graph}.onnx"))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def _nodes(artifact, graph: str) -> list[tuple]:
+    model = onnx.load_model(str(artifact / f"{graph}.onnx"), load_external_data=False)
+    return [(n.op_type, n.name, list(n.input), list(n.output), [onnx.helper.get_attribute_value(a) for a in n.attribute])
+            for n in model.graph.node if n.op_type == "MatMulNBits"]
+
+
+@pytest.mark.parametrize("variant,scheme,block", [("llama", "w4", "32"), ("llama", "w8", "16"),
+                                                  ("qwen3_moe-dense-layer", "w4", "32")])
+def test_quantized_export_is_calibrate_no_search(variant, scheme, block, store, calib_text, tmp_path, capsys):
+    """Identical MatMulNBits nodes, blocks and scales; the same precision section; the same logits."""
+    ours = tmp_path / "streamed"
+    code, _, err = run(["export", str(store.checkpoint(variant)), "-o", str(ours), "--precision", scheme,
+                        "--block-size", block], capsys)
+    assert code == 0, err
+    theirs = tmp_path / "calibrated"
+    code, _, err = run(["calibrate", str(store.optimized(variant)), "--data", str(calib_text), "--scheme", scheme,
+                        "--no-search", "--block-size", block, "--samples", "2", "--seq-len", "32",
+                        "--eval-samples", "2", "--threads", "1", "-o", str(theirs)], capsys)
+    assert code == 0, err
+    for graph in ("prefill", "decode"):
+        nodes = _nodes(ours, graph)
+        assert nodes and nodes == _nodes(theirs, graph)
+        a, b = _initializers(ours, graph), _initializers(theirs, graph)
+        quantized = {name for _, _, inputs, _, _ in nodes for name in inputs[1:]}
+        for name in quantized:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    m_ours, m_theirs = load_manifest(ours), load_manifest(theirs)
+    assert m_ours.precision == type(m_theirs.precision)(**{**m_theirs.precision.__dict__, "data": None})
+    assert m_ours.graphs == m_theirs.graphs
+    assert "no quality report" in m_ours.stage_applied("export").details["quantized"]
+    a, b = Engine.load(ours, threads=1), Engine.load(theirs, threads=1)
+    (ours_logits, ours_tokens), (their_logits, their_tokens) = (steps(e.backend, e.encode(PROMPTS[0]), 8) for e in (a, b))
+    assert ours_tokens == their_tokens
+    assert max(np.abs(x - y).max() for x, y in zip(ours_logits, their_logits)) <= PORTABLE_TOL
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--precision", "fp16"], "fp32, w8, w4"),
+    (["--precision", "w4", "--graphs", "portable"], "--graphs fused"),
+    (["--precision", "w4", "--block-size", "24"], "power of two"),
+    (["--graphs", "fused", "--verify"], "never loads"),
+])
+def test_unsupported_options_are_one_error_line(flags, says, store, tmp_path, capsys):
+    code, _, err = run(["export", str(store.checkpoint("llama")), "-o", str(tmp_path / "out"), *flags], capsys)
+    assert code == 2 and says in error_line(err)
+    assert leftovers(tmp_path) == []
+
+
+def test_an_export_that_cannot_fit_is_refused_with_the_numbers_and_a_flag_that_fits(store, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """Refused before it starts, naming what it needs, what there is and the flags that would fit."""
+    from llmx import memory_budget
+    from llmx.export.checkpoint import open_checkpoint
+    from llmx.export.memory import export_need, weight_shapes
+
+    checkpoint = open_checkpoint(store.checkpoint("llama"))
+    shapes = weight_shapes(checkpoint)
+    need = {p: export_need(checkpoint, shapes, "fused", p, 32) for p in ("fp32", "w8", "w4")}
+    assert need["w4"].disk < need["w8"].disk < need["fp32"].disk
+    assert export_need(checkpoint, shapes, "portable", "fp32", 32).memory > need["fp32"].memory
+
+    def export(name, *flags):
+        code, _, err = run(["export", str(store.checkpoint("llama")), "-o", str(tmp_path / name), *flags], capsys)
+        return code, error_line(err) if code else err
+
+    monkeypatch.setattr(memory_budget, "available_memory", lambda: need["fp32"].memory)
+    code, line = export("a")
+    assert code == 1 and "of memory" in line and "available" in line and "--graphs fused would fit" in line
+    monkeypatch.setattr(memory_budget, "free_disk", lambda path: need["w4"].disk)
+    code, line = export("b", "--graphs", "fused")
+    assert code == 1 and "of disk" in line and "free" in line and "--precision w4 would fit" in line
+    assert leftovers(tmp_path) == []
+    assert export("c", "--precision", "w4")[0] == 0
+    monkeypatch.setattr(memory_budget, "free_disk", lambda path: 0)
+    code, line = export("d", "--precision", "w4")
+    assert code == 1 and "no option of this command fits" in line
