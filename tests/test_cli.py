@@ -193,10 +193,12 @@ def test_console_script_runs_in_a_real_process(llama_artifact):
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and proc.stderr.count("\n") == 1
 
 
-def test_inspect_a_gguf_file_says_to_export_it(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["inspect"], ["generate"], ["bench"]])
+def test_a_gguf_file_where_an_artifact_belongs_says_to_export_it(tmp_path, capsys, command):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64))
-    code, _, err = run(["inspect", str(gguf)], capsys)
+    args = [command[0], str(gguf)] + (["x"] if command[0] == "generate" else [])
+    code, _, err = run(args, capsys)
     line = error_line(err)
     assert code == 1 and "is a GGUF file" in line and f"llmx export {gguf} -o DIR" in line
     code, _, err = run(["inspect", str(tmp_path)], capsys)  # a directory without a manifest, as before

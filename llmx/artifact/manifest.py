@@ -218,6 +218,8 @@ def load_manifest(directory: str | Path) -> Manifest:
     """The manifest of an artifact directory, every field and file path checked."""
     directory = Path(directory)
     path = directory / MANIFEST_NAME
+    if directory.is_file():
+        _not_a_directory(directory)
     if not directory.is_dir():
         raise ArtifactError(f"artifact directory {directory} does not exist")
     if not path.is_file():
@@ -235,6 +237,15 @@ def load_manifest(directory: str | Path) -> Manifest:
     except ArtifactError as exc:
         raise ArtifactError(f"{path}: {exc}") from exc
     return manifest
+
+
+def _not_a_directory(path: Path) -> None:
+    """A file given where an artifact directory belongs: say what it is instead of 'does not exist'."""
+    with path.open("rb") as f:
+        gguf = f.read(4) == b"GGUF"
+    if gguf:
+        raise ArtifactError(f"{path} is a GGUF file, not an artifact: export it first with `llmx export {path} -o DIR`")
+    raise ArtifactError(f"{path} is a file, not an artifact directory (give the directory, or its {MANIFEST_NAME})")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -43,15 +43,6 @@ def _echo_list(label: str, items: list[str]) -> None:
                              initial_indent=f"  {label}: ", subsequent_indent="    "))
 
 
-def _not_an_artifact_dir(path: Path) -> None:
-    """A file given where an artifact directory belongs: say what it is instead of 'does not exist'."""
-    with path.open("rb") as f:
-        gguf = f.read(4) == b"GGUF"
-    if gguf:
-        raise ArtifactError(f"{path} is a GGUF file, not an artifact: export it first with `llmx export {path} -o DIR`")
-    raise ArtifactError(f"{path} is a file, not an artifact directory (give the directory, or its {MANIFEST_NAME})")
-
-
 def register(cli: click.Group) -> None:
     @cli.command("inspect")
     @click.argument("artifact", type=click.Path(path_type=Path))
@@ -63,8 +54,6 @@ def register(cli: click.Group) -> None:
         ARTIFACT is the artifact directory or its manifest (ART/llmx.json)."""
         if artifact.name == MANIFEST_NAME and artifact.is_file():
             artifact = artifact.parent
-        elif artifact.is_file():
-            _not_an_artifact_dir(artifact)
         manifest = load_manifest(artifact)
         paths = {rel: artifact_file(artifact, rel, "checksums key") for rel in manifest.checksums}
         sizes = {rel: path.stat().st_size for rel, path in paths.items() if path.is_file()}
