@@ -123,7 +123,7 @@ def residency(work: Path, name: str) -> list[dict]:
     import onnxruntime as ort
 
     import llmx.runtime.ort_device_backend as odb
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.engine import Engine
 
     out = []
@@ -138,7 +138,7 @@ def residency(work: Path, name: str) -> list[dict]:
     art = work / f"art-{name}-fp16"
     odb.session_options = profiled
     try:  # plain steps: a captured graph's replays are not profiled node by node
-        backend = odb.OrtDeviceBackend(art, load_manifest(art), provider=GPU.removeprefix("ort-"), cuda_graph=False)
+        backend = odb.OrtDeviceBackend(Artifact.open(art), provider=GPU.removeprefix("ort-"), cuda_graph=False)
     finally:
         odb.session_options = original
     ids = Engine.load(art).encode(PROMPT)
@@ -169,14 +169,14 @@ def residency(work: Path, name: str) -> list[dict]:
 
 def llmx_bench(art: Path, batch: int, prompt_len: int, new_tokens: int, cuda_graph: bool | None) -> dict:
     """llmx bench's measurement, in process, with CUDA graphs on or off (the CLI takes the default)."""
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.bench import bench
     from llmx.runtime.ort_device_backend import OrtDeviceBackend
     from llmx.runtime.tokenizer import Tokenizer
 
-    manifest = load_manifest(art)
-    backend = OrtDeviceBackend(art, manifest, provider="cuda", cuda_graph=cuda_graph)
-    r = bench(backend, Tokenizer(art, manifest), prompt_len, new_tokens, batch, 3, 1)
+    artifact = Artifact.open(art)
+    backend = OrtDeviceBackend(artifact, provider="cuda", cuda_graph=cuda_graph)
+    r = bench(backend, Tokenizer(artifact), prompt_len, new_tokens, batch, 3, 1)
     return dict(ttft_ms=r.ttft_ms, decode_tok_s=r.decode_tokens_per_s)
 
 

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from llmx.artifact.manifest import load_manifest
+from llmx.artifact import Artifact
 from llmx.runtime.onnx_backend import OrtBackend
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    backend = OrtBackend(args.artifact, load_manifest(args.artifact), threads=args.threads, lazy_prefill=False)
+    backend = OrtBackend(Artifact.open(args.artifact), threads=args.threads, lazy_prefill=False)
     if not backend.keeps_logits:
         raise SystemExit(f"error: {args.artifact}'s decode graph has no logits_to_keep input; re-export it")
     prompt = np.random.default_rng(0).integers(3, backend.vocab_size, (1, args.prompt_len), dtype=np.int64)

@@ -68,10 +68,10 @@ def decode_rate(backend, prompt: int, steps: int) -> float:
 
 
 def decode_speeds(artifacts: dict[str, Path], args) -> dict[str, list[float]]:
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.engine import make_backend
 
-    backends = {n: make_backend(p, load_manifest(p), "ort-cpu", threads=args.threads) for n, p in artifacts.items()}
+    backends = {n: make_backend(Artifact.open(p), "ort-cpu", threads=args.threads) for n, p in artifacts.items()}
     rates: dict[str, list[float]] = {n: [] for n in artifacts}
     for _ in range(args.rounds):
         for name, backend in backends.items():

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.errors import ArtifactError, InputError
+from llmx.errors import ArtifactError, InputError, require
 
 LOW_DTYPES = ("float16", "bfloat16")
 KEEP_FP32 = frozenset({
@@ -43,8 +43,6 @@ FP32, LOW, FLEX = "fp32", "low", "flex"  # states of float tensors; FLEX = a con
 
 
 def _onnx():
-    from llmx.errors import require
-
     return require("onnx", "converting ONNX graphs to fp16/bf16", "export")
 
 

@@ -28,14 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from llmx.artifact.handle import Artifact
+from llmx.artifact.manifest import Manifest
+from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
+from llmx.artifact.tensorrt import BuildLimits, TensorRTRecord
 from llmx.engine.precision import convert_graph, qdq_summary
 from llmx.engine.trt_profiles import EngineSpec, engine_specs
 from llmx.engine.trt_records import check_precision_supported, find_calibration_table
-from llmx.artifact.tensorrt import BuildLimits, TensorRTRecord
 from llmx.errors import ArtifactError, InputError
-from llmx.artifact.manifest import Manifest, load_manifest
-from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 
 PRECISIONS = ("auto", "fp32", "tf32", "fp16", "bf16", "int8", "fp8")
 FLOAT_OF = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -82,18 +83,19 @@ class EngineBuilder(Protocol):
     def timing_cache_record(self) -> dict: ...
 
 
-def artifact_facts(src: Path, manifest: Manifest) -> ArtifactFacts:
+def artifact_facts(src: Artifact) -> ArtifactFacts:
+    manifest = src.manifest
     if manifest.kind != "decoder" or "decode" not in manifest.graphs:
-        raise ArtifactError(f"{src} is not a decoder artifact with prefill/decode graphs")
+        raise ArtifactError(f"{src.root} is not a decoder artifact with prefill/decode graphs")
     fused = [name for name, g in manifest.graphs.items() if g.ops != "portable"]
     if fused:
-        raise ArtifactError(f"{src}'s {', '.join(fused)} graph uses ONNX Runtime-only fused ops, which TensorRT cannot "
+        raise ArtifactError(f"{src.root}'s {', '.join(fused)} graph uses ONNX Runtime-only fused ops, which TensorRT cannot "
                             "parse: build from the artifact before `llmx optimize`")
-    decode = manifest.graphs["decode"]
-    qdq = qdq_summary(load_graph(src / decode.file), base_dir=src) if (src / decode.file).is_file() else {}
-    table = find_calibration_table(src, manifest)
+    decode = src.graph_path("decode")
+    qdq = qdq_summary(load_graph(decode), base_dir=src.root) if decode.is_file() else {}
+    table = find_calibration_table(src)
     return ArtifactFacts(manifest.kv.dtype, manifest.precision.scheme, qdq,
-                         table.relative_to(src).as_posix() if table else None)
+                         table.relative_to(src.root).as_posix() if table else None)
 
 
 def resolve_precision(requested: str, facts: ArtifactFacts) -> tuple[str, str | None, str | None]:
@@ -123,11 +125,12 @@ def resolve_precision(requested: str, facts: ArtifactFacts) -> tuple[str, str | 
     return requested, (None if target == "float32" else target), None
 
 
-def plan_build(src: str | Path, precision: str = "auto", layout: str = "split", limits: BuildLimits = BuildLimits()) -> BuildPlan:
+def plan_build(src: str | Path | Artifact, precision: str = "auto", layout: str = "split",
+               limits: BuildLimits = BuildLimits()) -> BuildPlan:
     """Everything a build will do, decided before any engine is built (``llmx build --dry-run``)."""
-    src = Path(src)
-    manifest = load_manifest(src)
-    facts = artifact_facts(src, manifest)
+    src = Artifact.of(src)
+    manifest = src.manifest
+    facts = artifact_facts(src)
     resolved, convert, int8_source = resolve_precision(precision, facts)
     limits = limits.resolve(manifest.model)
     return BuildPlan(
@@ -143,19 +146,18 @@ def plan_build(src: str | Path, precision: str = "auto", layout: str = "split", 
     )
 
 
-def build_artifact(src: str | Path, out: str | Path, plan: BuildPlan,
+def build_artifact(src: str | Path | Artifact, out: str | Path, plan: BuildPlan,
                    builder_factory: Callable[[], EngineBuilder] | None = None, force: bool = False,
                    log: Callable[[str], None] = lambda msg: None) -> Manifest:
     """Write the built artifact to ``out`` (atomically). Without a builder: graphs only."""
-    src = Path(src)
-    manifest = load_manifest(src)
+    src = Artifact.of(src)
     with staged_artifact(out, overwrite=force) as tmp:
         builder = builder_factory() if builder_factory else None  # after the output check: fail fast
-        new = _write_graphs(src, tmp, manifest, plan, log)
-        copy_tokenizer(src, tmp)
+        new = _write_graphs(src, tmp, plan, log)
+        copy_tokenizer(src.root, tmp)
         if plan.calibration_table:
             (tmp / plan.calibration_table).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / plan.calibration_table, tmp / plan.calibration_table)
+            shutil.copy2(src.file(plan.calibration_table, "calibration table"), tmp / plan.calibration_table)
         if builder is not None:
             new.tensorrt = build_engines(tmp, new, plan, builder, log)
         new = new.with_stage("build", precision=plan.precision, layout=plan.layout,
@@ -164,14 +166,15 @@ def build_artifact(src: str | Path, out: str | Path, plan: BuildPlan,
     return new
 
 
-def _write_graphs(src: Path, tmp: Path, manifest: Manifest, plan: BuildPlan, log) -> Manifest:
+def _write_graphs(src: Artifact, tmp: Path, plan: BuildPlan, log) -> Manifest:
     """The graphs in the engine precision, sharing one weights.bin; the manifest that describes them."""
-    graphs = {name: load_graph(src / spec.file) for name, spec in manifest.graphs.items()}
+    manifest = src.manifest
+    graphs = {name: load_graph(src.graph_path(name)) for name in manifest.graphs}
     if plan.convert_to:
         for name, graph in graphs.items():
             log(f"converting the {name} graph to {plan.convert_to} (norms, softmax and position math stay float32)")
-            convert_graph(graph, plan.convert_to, base_dir=src)
-    save_graphs(graphs, tmp, sources={name: src for name in graphs})
+            convert_graph(graph, plan.convert_to, base_dir=src.root)
+    save_graphs(graphs, tmp, sources={name: src.root for name in graphs})
     described = {name: describe_graph(load_graph(tmp / spec.file), spec.file, spec.ops) for name, spec in manifest.graphs.items()}
     precision = manifest.precision
     if plan.convert_to:

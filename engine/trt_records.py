@@ -10,10 +10,9 @@ import json
 import struct
 from pathlib import Path
 
-from llmx.artifact.paths import artifact_file
+from llmx.artifact.handle import Artifact
 from llmx.artifact.tensorrt import llmx_cache_dir, parse_cc
 from llmx.errors import ArtifactError, InputError
-from llmx.artifact.manifest import Manifest
 
 # Lowest compute capability that runs each precision in TensorRT.
 PRECISION_MIN_CC = {"fp32": (0, 0), "tf32": (8, 0), "fp16": (5, 3), "bf16": (8, 0), "int8": (6, 1), "fp8": (8, 9)}
@@ -49,18 +48,18 @@ def check_precision_supported(precision: str, device: dict) -> None:
 TABLE_NAMES = ("calibration.cache", "calibration.json", "calibration/calibration.cache", "calibration/calibration.json")
 
 
-def find_calibration_table(artifact: Path, manifest: Manifest) -> Path | None:
+def find_calibration_table(artifact: Artifact) -> Path | None:
     """The calibration table an artifact carries, if any.
 
     llmx calibrate is expected to name it in ``extras.calibration.table`` (a path relative to
     the artifact, ONNX Runtime's ``write_calibration_table`` format); older or other writers
     are found by ``precision.calibration_table`` or by the file names ORT writes.
     """
-    calib = manifest.extras.get("calibration")
+    calib = artifact.manifest.extras.get("calibration")
     candidates = [calib.get(k) for k in ("table", "cache", "calibration_table")] if isinstance(calib, dict) else []
-    candidates += [manifest.precision.calibration_table, *TABLE_NAMES]
+    candidates += [artifact.manifest.precision.calibration_table, *TABLE_NAMES]
     for rel in candidates:
-        if isinstance(rel, str) and (path := artifact_file(artifact, rel, "calibration table")).is_file():
+        if isinstance(rel, str) and (path := artifact.file(rel, "calibration table")).is_file():
             return path
     return None
 

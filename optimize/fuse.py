@@ -12,11 +12,12 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
+from llmx.artifact.handle import Artifact
+from llmx.artifact.manifest import Manifest
+from llmx.artifact.onnx_files import describe_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
 from llmx.errors import ArtifactError, InputError
 from llmx.spec import ModelSpec
-from llmx.artifact.manifest import Manifest, load_manifest
-from llmx.artifact.onnx_files import describe_graph, save_graphs
 from llmx.optimize.decoder import ACTIVATIONS, build_graph, check_supported
 from llmx.optimize.weights import SourceWeights
 
@@ -31,41 +32,41 @@ FUSIONS = [
 ]
 
 
-def check_source(src: Path, manifest: Manifest) -> ModelSpec:
+def check_source(src: Artifact) -> ModelSpec:
     """The source must be a portable fp32 decoder artifact with both graphs."""
+    manifest = src.manifest
     if manifest.kind != "decoder":
-        raise InputError(f"{src} holds a {manifest.kind} model; optimize works on decoders")
+        raise InputError(f"{src.root} holds a {manifest.kind} model; optimize works on decoders")
     if manifest.stage_applied("optimize") or any(g.ops != "portable" for g in manifest.graphs.values()):
-        raise InputError(f"{src} is already optimized for ONNX Runtime; optimize the portable artifact it came from")
+        raise InputError(f"{src.root} is already optimized for ONNX Runtime; optimize the portable artifact it came from")
     scheme, weights = manifest.precision.scheme, manifest.precision.weights
     if scheme or weights != "float32":
-        raise InputError(f"{src} is quantized ({scheme or weights}); run optimize before calibrate")
+        raise InputError(f"{src.root} is quantized ({scheme or weights}); run optimize before calibrate")
     missing = [name for name in GRAPHS if name not in manifest.graphs]
     if missing:
-        raise ArtifactError(f"{src} has no {' or '.join(missing)} graph")
+        raise ArtifactError(f"{src.root} has no {' or '.join(missing)} graph")
     for name in GRAPHS:
-        if not (src / manifest.graphs[name].file).is_file():
-            raise ArtifactError(f"{src} is missing {manifest.graphs[name].file}")
+        src.existing_file(manifest.graphs[name].file, f"graphs.{name}.file")
     spec = manifest.model
     check_supported(spec)
     return spec
 
 
-def optimize_artifact(src: str | Path, out: str | Path, *, force: bool = False,
+def optimize_artifact(src: str | Path | Artifact, out: str | Path, *, force: bool = False,
                       log: Callable[[str], None] = lambda msg: None) -> Manifest:
     """Write the ONNX Runtime artifact for the portable artifact ``src`` to ``out``."""
-    src = Path(src)
-    manifest = load_manifest(src)
-    spec = check_source(src, manifest)
-    if Path(out).absolute() == src.absolute():
+    src = Artifact.of(src)
+    manifest = src.manifest
+    spec = check_source(src)
+    if Path(out).absolute() == src.root.absolute():
         raise InputError("the optimized artifact needs its own directory (-o must differ from the source)")
     all_logits = manifest.graphs["prefill"].outputs[0].shape[1] != 1
     log(f"building fused graphs for {spec.family} ({spec.num_layers} layers, {spec.activation}, {spec.norm} norm)")
-    weights = SourceWeights(src, manifest.graphs["decode"].file)
+    weights = SourceWeights(src.root, manifest.graphs["decode"].file)
     graphs = {name: build_graph(spec, weights, name, manifest.graphs[name], all_logits) for name in GRAPHS}
     with staged_artifact(out, overwrite=force) as tmp:
-        save_graphs(graphs, tmp, sources={name: src for name in GRAPHS})
-        copy_tokenizer(src, tmp)
+        save_graphs(graphs, tmp, sources={name: src.root for name in GRAPHS})
+        copy_tokenizer(src.root, tmp)
         described = {name: describe_graph(graphs[name], f"{name}.onnx", ops="onnxruntime") for name in GRAPHS}
         for name, spec_io in described.items():
             _check_same_io(name, manifest.graphs[name], spec_io)
@@ -76,7 +77,7 @@ def optimize_artifact(src: str | Path, out: str | Path, *, force: bool = False,
         result = dataclasses.replace(manifest, graphs=described, checksums={}, extras=dict(manifest.extras))
         result = result.with_stage(
             "optimize",
-            source=str(src.absolute()),
+            source=str(src.root.absolute()),
             target="onnxruntime",
             attention="com.microsoft.GroupQueryAttention",
             activation=ACTIVATIONS[spec.activation][0],

@@ -6,22 +6,23 @@ Rendered in a sandbox, as transformers does, with the same helpers templates rel
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from functools import lru_cache
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from llmx.errors import InputError
 
 
 @lru_cache(maxsize=8)
 def _compile(source: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message):
         raise TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, **_: __import__("json").dumps(x, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
@@ -30,8 +31,6 @@ def _compile(source: str):
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
     if not tokenizer.chat_template:
         raise InputError("this model has no chat template (tokenizer_config.json has none); use a plain prompt")
-    from jinja2.exceptions import TemplateError
-
     try:
         return _compile(tokenizer.chat_template).render(
             messages=messages,

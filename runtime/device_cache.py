@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 
-from llmx.cuda import ALIGN
+from llmx.cuda import ALIGN, D2H, H2D
 from llmx.errors import InputError
 from llmx.runtime.kv_cache import round_up
 
@@ -113,8 +113,6 @@ class DeviceKVCache:
 
     def write(self, row: int, layer_entries: list[np.ndarray], start: int = 0) -> None:
         """Host entries [kv_heads, n, head_dim] per buffer into slots start..start+n."""
-        from llmx.cuda import H2D
-
         n = layer_entries[0].shape[1]
         self.ensure_capacity(start + n)
         for b, entries in enumerate(layer_entries):
@@ -125,8 +123,6 @@ class DeviceKVCache:
         self.lengths[row] = start + n
 
     def read(self, row: int, start: int = 0, end: int | None = None) -> list[np.ndarray]:
-        from llmx.cuda import D2H
-
         end = int(self.lengths[row]) if end is None else end
         n, out = end - start, []
         for b in range(len(self.buffers)):

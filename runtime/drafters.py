@@ -18,10 +18,12 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from llmx.artifact.handle import Artifact
 from llmx.errors import InputError
+from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import softmax, warp
 from llmx.runtime.sequence import Sequence
-from llmx.runtime.speculative import Draft, SpecStats, draw, ragged_decode
+from llmx.runtime.speculative import Draft, SpecStats, check_num_draft_tokens, draw, ragged_decode
 
 
 def context_ids(seq: Sequence) -> list[int]:
@@ -139,8 +141,6 @@ class DraftModelDrafter:
 
 
 def check_speculative(method: str, draft: str | None, num_tokens: int) -> None:
-    from llmx.runtime.speculative import check_num_draft_tokens
-
     check_num_draft_tokens(num_tokens)
     if method not in ("ngram", "draft"):
         raise InputError(f"speculative method must be ngram or draft, got {method!r}")
@@ -149,9 +149,7 @@ def check_speculative(method: str, draft: str | None, num_tokens: int) -> None:
     if method == "draft":
         if draft is None:
             raise InputError("--speculative draft needs --draft ARTIFACT (a smaller model with the same tokenizer)")
-        from llmx.artifact.manifest import load_manifest
-
-        load_manifest(draft)  # a wrong path fails now, with the artifact error
+        Artifact.of(draft)  # a wrong path fails now, with the artifact error
 
 
 def make_drafter(method: str, target, num_tokens: int = 4, draft: str | None = None, **load_options):
@@ -159,8 +157,6 @@ def make_drafter(method: str, target, num_tokens: int = 4, draft: str | None = N
     check_speculative(method, draft, num_tokens)
     if method == "ngram":
         return NgramDrafter(num_tokens)
-    from llmx.runtime.engine import Engine
-
     engine = Engine.load(draft, **load_options)
     check_same_tokenizer(target.tokenizer, engine.tokenizer)
     return DraftModelDrafter(engine, target.manifest.model.vocab_size, num_tokens)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.paths import artifact_file
+from llmx.artifact.handle import Artifact
 from llmx.errors import ArtifactError, InputError
-from llmx.artifact.manifest import Manifest, load_manifest
 from llmx.runtime.onnx_backend import _ort, session_options
 from llmx.runtime.tokenizer import Tokenizer
 
@@ -25,18 +24,19 @@ class Embeddings:
 
 
 class Embedder:
-    def __init__(self, artifact: str | Path, manifest: Manifest, threads: int | None = None, batch_size: int = 32):
+    def __init__(self, artifact: Artifact, threads: int | None = None, batch_size: int = 32):
+        manifest = artifact.manifest
         if manifest.kind != "encoder":
-            raise ArtifactError(f"{artifact} holds a {manifest.kind} model; embeddings need an encoder artifact")
+            raise ArtifactError(f"{artifact.root} holds a {manifest.kind} model; embeddings need an encoder artifact")
         ort = _ort()
-        self.artifact, self.manifest = Path(artifact), manifest
-        self.tokenizer = Tokenizer(self.artifact, manifest)
+        self.artifact, self.manifest = artifact, manifest
+        self.tokenizer = Tokenizer(artifact)
         model = manifest.model
         self.max_tokens = model.max_input_tokens or model.max_position_embeddings
         self.dim = model.hidden_size
         self.batch_size = batch_size
-        graph = manifest.graphs["embed"]
-        path = artifact_file(self.artifact, graph.file, "graphs.embed.file")
+        graph = artifact.graph("embed")
+        path = artifact.graph_path("embed")
         try:
             self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
         except Exception as exc:
@@ -45,8 +45,8 @@ class Embedder:
         self.tokenizer.truncate_to(self.max_tokens)
 
     @classmethod
-    def load(cls, artifact: str | Path, **options) -> "Embedder":
-        return cls(artifact, load_manifest(artifact), **options)
+    def load(cls, artifact: str | Path | Artifact, **options) -> "Embedder":
+        return cls(Artifact.of(artifact), **options)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         if not texts:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from llmx.artifact.handle import Artifact
+from llmx.artifact.manifest import Manifest
 from llmx.errors import ArtifactError, InputError
-from llmx.artifact.manifest import Manifest, load_manifest
 from llmx.runtime.backend import Backend
 from llmx.runtime.batch import Event
 from llmx.runtime.generate import generate
@@ -37,30 +38,32 @@ def engine_options(backend: str, threads: int | None, low_memory: bool = False, 
     return options
 
 
-def make_backend(artifact: Path, manifest: Manifest, name: str, **options) -> Backend:
+def make_backend(artifact: Artifact, name: str, **options) -> Backend:
     if name == "ort-cpu":
-        return OrtBackend(artifact, manifest, provider="cpu", **options)
+        return OrtBackend(artifact, provider="cpu", **options)
     if name in ("ort-cuda", "ort-tensorrt"):
-        return OrtDeviceBackend(artifact, manifest, provider=name.removeprefix("ort-"), **options)
+        return OrtDeviceBackend(artifact, provider=name.removeprefix("ort-"), **options)
     if name == "tensorrt":
-        return TensorRTBackend(artifact, manifest, **options)
+        return TensorRTBackend(artifact, **options)
     raise InputError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
 
 
 @dataclass
 class Engine:
-    artifact: Path
-    manifest: Manifest
+    artifact: Artifact
     backend: Backend
     tokenizer: Tokenizer
 
     @classmethod
-    def load(cls, artifact: str | Path, backend: str = "ort-cpu", **options) -> "Engine":
-        artifact = Path(artifact)
-        manifest = load_manifest(artifact)
-        if manifest.kind != "decoder":
-            raise ArtifactError(f"{artifact} holds a {manifest.kind} model; text generation needs a decoder")
-        return cls(artifact, manifest, make_backend(artifact, manifest, backend, **options), Tokenizer(artifact, manifest))
+    def load(cls, artifact: str | Path | Artifact, backend: str = "ort-cpu", **options) -> "Engine":
+        artifact = Artifact.of(artifact)
+        if artifact.manifest.kind != "decoder":
+            raise ArtifactError(f"{artifact.root} holds a {artifact.manifest.kind} model; text generation needs a decoder")
+        return cls(artifact, make_backend(artifact, backend, **options), Tokenizer(artifact))
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.artifact.manifest
 
     @property
     def max_seq_len(self) -> int:

@@ -16,6 +16,7 @@ from llmx.runtime.batch import Batch, Event
 from llmx.runtime.params import prompt_room
 from llmx.runtime.sampling import SamplingParams
 from llmx.runtime.sequence import Sequence
+from llmx.runtime.speculative import SpeculativeBatch
 
 
 def check_prompt(n_tokens: int, max_len: int) -> None:
@@ -46,8 +47,6 @@ def generate(
     if drafter is None:
         batch = Batch(backend, rows=len(prompts), capacity=capacity)
     else:
-        from llmx.runtime.speculative import SpeculativeBatch
-
         batch = SpeculativeBatch(backend, rows=len(prompts), capacity=capacity, drafter=drafter)
     seqs = [Sequence(pr, p, tokenizer, max_len) for pr, p in zip(prompts, params)]
     emit = on_event or (lambda event: None)

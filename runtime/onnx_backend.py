@@ -9,14 +9,12 @@ sequence's keys/values into its cache row once.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.paths import artifact_file
+from llmx.artifact.handle import Artifact
 from llmx.errors import ArtifactError, InputError, LlmxError, require
 from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
-from llmx.artifact.manifest import Manifest
 from llmx.runtime import huge_pages
 from llmx.runtime.cpu_plan import physical_cores, plan_threads
 from llmx.runtime.kv_cache import KVCache
@@ -75,11 +73,11 @@ class _MappedFiles:
     artifact by rename (what llmx's writers do) leaves the mapping, and this check, intact.
     """
 
-    def __init__(self, artifact: Path, manifest: Manifest):
-        names = sorted({rel for g in manifest.graphs.values() for rel in (g.external_data or [])})
+    def __init__(self, artifact: Artifact):
+        names = sorted({rel for g in artifact.manifest.graphs.values() for rel in (g.external_data or [])})
         self.files = {}
         for rel in names:
-            fd = os.open(artifact / rel, os.O_RDONLY)
+            fd = os.open(artifact.file(rel, "external_data"), os.O_RDONLY)
             self.files[rel] = (fd, os.fstat(fd).st_size)
 
     def check(self) -> None:
@@ -97,7 +95,7 @@ class _MappedFiles:
 class OrtBackend:
     """Runs an artifact's prefill/decode graphs on one ONNX Runtime execution provider (a Backend)."""
 
-    def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
+    def __init__(self, artifact: Artifact, provider: str = "cpu", threads: int | None = None,
                  optimization: str | None = None, spin: bool | None = None, low_memory: bool = False,
                  lazy_prefill: bool | None = None):
         _ort()
@@ -105,7 +103,8 @@ class OrtBackend:
             raise InputError(f"provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
         if provider != "cpu":
             raise LlmxError(f"the {provider} provider needs device-resident KV buffers; use --backend ort-cpu here")
-        self.artifact, self.manifest = Path(artifact), manifest
+        self.artifact = artifact
+        self.manifest = manifest = artifact.manifest
         if low_memory and manifest.precision.scheme:
             # MatMulNBits and the int8 kernels compute from their packed weights only: measured 20x
             # slower decode without them, for a third less memory.
@@ -118,8 +117,7 @@ class OrtBackend:
         # --low-memory's weights stay in the mapped file; packed ones get 2 MiB pages (runtime/huge_pages.py).
         self._huge_pages = huge_pages.enabled() and not low_memory
         for name in ("prefill", "decode"):
-            if manifest.graphs.get(name) is None:
-                raise ArtifactError(f"artifact has no {name} graph")
+            artifact.graph(name)  # both are needed, even the prefill graph loaded later
         self.sessions = {"decode": self._load("decode")}
         # One prepacked copy of the weights, not two: a single prompt is prefilled by the decode
         # graph (it takes T new tokens after an empty past), so the prefill graph, whose session
@@ -133,7 +131,7 @@ class OrtBackend:
         self.lazy_prefill = lazy_prefill
         if not lazy_prefill:
             self.sessions["prefill"] = self._load("prefill")
-        self._mapped = _MappedFiles(self.artifact, manifest) if low_memory else None
+        self._mapped = _MappedFiles(artifact) if low_memory else None
         kv = manifest.kv
         self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
         self.kv_dtype = np.dtype(kv.dtype)
@@ -151,13 +149,11 @@ class OrtBackend:
         self.prefill_calls = 0  # for tests and metrics: how often prefill ran (on either graph)
 
     def _load(self, name: str):
-        graph = self.manifest.graphs[name]
+        graph = self.artifact.graph(name)
         # Graphs fresh from `llmx optimize` are fused already and say so (ort_optimization "basic").
         opts = session_options(self.cpu_plan.threads, self._optimization or graph.ort_optimization or "all",
                                self.cpu_plan.spin, prepack=not self.low_memory)
-        path = artifact_file(self.artifact, graph.file, f"graphs.{name}.file")
-        if not path.is_file():
-            raise ArtifactError(f"artifact is missing {graph.file}")
+        path = self.artifact.existing_file(graph.file, f"graphs.{name}.file")
         try:
             with huge_pages.backing(self._huge_pages):
                 return _ort().InferenceSession(str(path), opts, providers=[self._ort_provider])

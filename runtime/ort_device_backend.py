@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.paths import artifact_file
+from llmx.artifact.handle import Artifact
 from llmx.cuda import open_device
 from llmx.artifact.tensorrt import axis_ranges, graph_profile, llmx_cache_dir, ort_trt_profile_options
 from llmx.errors import ArtifactError, InputError, LlmxError
@@ -58,7 +58,7 @@ def tensorrt_provider_options(manifest: Manifest, graph: str, cache_root: Path, 
 class OrtDeviceBackend:
     """Runs an artifact's graphs on ONNX Runtime's CUDA or TensorRT provider (a Backend)."""
 
-    def __init__(self, artifact: str | Path, manifest: Manifest, provider: str = "cuda", threads: int | None = None,
+    def __init__(self, artifact: Artifact, provider: str = "cuda", threads: int | None = None,
                  device: int = 0, optimization: str = "all", workspace_bytes: int | None = None, spin: bool = False,
                  cuda_graph: bool | None = None):
         ort = _ort()
@@ -68,12 +68,13 @@ class OrtDeviceBackend:
         if PROVIDERS[provider] not in available:
             raise LlmxError(f"--backend ort-{provider} needs ONNX Runtime's {PROVIDERS[provider]}, which this "
                             f"onnxruntime lacks: {GPU_HINT}")
+        manifest = artifact.manifest
         kv = manifest.kv
         self.kv_dtype = kv.dtype
         if self.kv_dtype not in ("float32", "float16"):
             raise InputError(f"ONNX Runtime's Python IO binding cannot bind {self.kv_dtype} buffers; use --backend tensorrt")
         self.device = open_device(device)  # ort-gpu lists CUDA providers even with no GPU: look for one
-        self.artifact, self.manifest = Path(artifact), manifest
+        self.artifact, self.manifest = artifact, manifest
         self.device_type = "cpu" if provider == "cpu" else "cuda"
         self.device_index = 0 if provider == "cpu" else device
         self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
@@ -91,12 +92,8 @@ class OrtDeviceBackend:
         self.prefill_calls = 0
 
     def _session(self, ort, name: str, provider: str, opts, workspace_bytes):
-        graph = self.manifest.graphs.get(name)
-        if graph is None:
-            raise ArtifactError(f"artifact has no {name} graph")
-        path = artifact_file(self.artifact, graph.file, f"graphs.{name}.file")
-        if not path.is_file():
-            raise ArtifactError(f"artifact is missing {graph.file}")
+        graph = self.artifact.graph(name)
+        path = self.artifact.existing_file(graph.file, f"graphs.{name}.file")
         stream = {"user_compute_stream": str(self.device.stream), "has_user_compute_stream": "1"}
         # use_tf32 off: fp32 graphs stay fp32 (as on the CPU backend); fp16 graphs are the fast path.
         cuda = ("CUDAExecutionProvider", {"device_id": str(self.device_index), "use_tf32": "0", **stream})
@@ -120,13 +117,9 @@ class OrtDeviceBackend:
         return portable and provider == "cuda" if requested is None else requested
 
     def _captured_decode(self, ort, provider: str, opts) -> CudaGraphDecode:
-        graph = self.manifest.graphs.get("decode")
-        if graph is None:
-            raise ArtifactError("artifact has no decode graph")
         cuda = {"device_id": str(self.device_index), "use_tf32": "0", "enable_cuda_graph": "1"}
         providers = [("CUDAExecutionProvider", cuda)] if provider == "cuda" else ["CPUExecutionProvider"]
-        path = artifact_file(self.artifact, graph.file, "graphs.decode.file")
-        return CudaGraphDecode(ort, path, opts, providers, self.device, self.device_type,
+        return CudaGraphDecode(ort, self.artifact.graph_path("decode"), opts, providers, self.device, self.device_type,
                                self.device_index, self.vocab_size, self._bind_kv)
 
     @property

@@ -18,15 +18,13 @@ as chunks into an empty cache) and a decode profile, each with its own execution
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.paths import artifact_file
+from llmx.artifact.handle import Artifact
 from llmx.cuda import ALIGN, open_device
 from llmx.artifact.tensorrt import TENSORRT_HINT, TensorRTRecord, check_engine_compatible
 from llmx.errors import ArtifactError, InputError, require
-from llmx.artifact.manifest import Manifest
 from llmx.runtime.device_cache import DeviceBuffers, DeviceKVCache, scratch_presents, take_prompts
 from llmx.runtime.kv_cache import round_up
 from llmx.runtime.step_inputs import decode_inputs, prompt_inputs
@@ -38,12 +36,13 @@ TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64"
 class TensorRTBackend:
     """Runs an artifact's TensorRT engines (a Backend)."""
 
-    def __init__(self, artifact: str | Path, manifest: Manifest, threads: int | None = None, device: int = 0,
+    def __init__(self, artifact: Artifact, threads: int | None = None, device: int = 0,
                  cuda_graphs: bool = True, kv_in_place: bool = True):
-        self.artifact, self.manifest = Path(artifact), manifest
+        self.artifact = artifact
+        self.manifest = manifest = artifact.manifest
         record = manifest.tensorrt
         if record is None:
-            raise ArtifactError(f"{artifact} has no TensorRT engines; build them with `llmx build {artifact} -o OUT`")
+            raise ArtifactError(f"{artifact.root} has no TensorRT engines; build them with `llmx build {artifact.root} -o OUT`")
         trt = require("tensorrt", "--backend tensorrt", hint=TENSORRT_HINT, name="TensorRT")
         self.device = open_device(device)
         for warning in check_engine_compatible(record, trt.__version__, self.device.record()):
@@ -71,9 +70,7 @@ class TensorRTBackend:
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         engines = {}
         for name, info in record.engines.items():
-            path = artifact_file(self.artifact, info.file, f"tensorrt.engines.{name}.file")
-            if not path.is_file():
-                raise ArtifactError(f"artifact is missing {info.file}")
+            path = self.artifact.existing_file(info.file, f"tensorrt.engines.{name}.file")
             engine = runtime.deserialize_cuda_engine(path.read_bytes())
             if engine is None:
                 raise ArtifactError(f"TensorRT cannot load {info.file} (see its messages above); rebuild with `llmx build`")

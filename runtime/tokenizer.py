@@ -8,21 +8,18 @@ CJK across tokens) produces no text until the character is complete.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-
 from tokenizers import Tokenizer as _HFTokenizer
 
-from llmx.artifact.paths import artifact_file
+from llmx.artifact.handle import Artifact
 from llmx.errors import ArtifactError, InputError
-from llmx.artifact.manifest import Manifest
 
 _REPLACEMENT = "\ufffd"
 
 
 class Tokenizer:
-    def __init__(self, artifact: Path, manifest: Manifest):
-        section = manifest.tokenizer
-        path = artifact_file(artifact, section.file, "tokenizer.file")
+    def __init__(self, artifact: Artifact):
+        section = artifact.manifest.tokenizer
+        path = artifact.file(section.file, "tokenizer.file")
         try:
             self._tok = _HFTokenizer.from_file(str(path))
         except Exception as exc:
@@ -79,10 +76,10 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
 
-def _read_template(artifact: Path, rel: str | None) -> str | None:
+def _read_template(artifact: Artifact, rel: str | None) -> str | None:
     if rel is None:
         return None
-    path = artifact_file(artifact, rel, "tokenizer.chat_template")
+    path = artifact.file(rel, "tokenizer.chat_template")
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError) as exc:

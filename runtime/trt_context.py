@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 
+from llmx.cuda import CudaError
 from llmx.errors import InputError, LlmxError
 
 MAX_GRAPHS = 16  # captured graphs kept per context (one per batch size / cache size seen)
@@ -86,8 +87,6 @@ class TrtContext:
             self._capture(key)
 
     def _capture(self, key: tuple) -> None:
-        from llmx.cuda import CudaError
-
         try:
             self.device.begin_capture()
             try:

@@ -15,15 +15,16 @@ import base64
 import queue
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from llmx.artifact.handle import Artifact
+from llmx.runtime.embed import Embedder
+from llmx.runtime.params import ParamError, text
+from llmx.serve.base_service import RETRY_AFTER_S, BaseService
 from llmx.serve.errors import ApiError, bad_request
 from llmx.serve.metrics import Metrics
-from llmx.runtime.params import ParamError, text
 from llmx.serve.protocol import check_fields, from_param, invalid_field, parse_body, string
-from llmx.serve.service import RETRY_AFTER_S, BaseService
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 
@@ -199,11 +200,9 @@ def _base64(vector: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
-def build_embedding_service(artifact: str | Path, model_name: str, api_key: str | None, *, max_batch: int,
+def build_embedding_service(artifact: Artifact, model_name: str, api_key: str | None, *, max_batch: int,
                             max_queue: int, max_body_bytes: int, threads: int | None) -> EmbeddingService:
-    from llmx.runtime.embed import Embedder
-
     # --max-batch counts sequences for decoders; an encoder batch of short inputs can hold more.
-    batcher = EmbeddingBatcher(lambda: Embedder.load(artifact, threads=threads), max_batch_inputs=max(32, 8 * max_batch),
+    batcher = EmbeddingBatcher(lambda: Embedder(artifact, threads=threads), max_batch_inputs=max(32, 8 * max_batch),
                                max_queue=max_queue, metrics=Metrics()).start()
     return EmbeddingService(batcher, model_name, api_key, max_body_bytes)

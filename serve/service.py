@@ -9,7 +9,6 @@ sequences, which frees their batch rows at the scheduler's next turn.
 
 from __future__ import annotations
 
-import hmac
 import os
 import queue
 import threading
@@ -17,8 +16,13 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from llmx.artifact.handle import Artifact
 from llmx.errors import InputError
+from llmx.runtime.drafters import check_speculative, make_drafter
+from llmx.runtime.engine import Engine, engine_options
 from llmx.runtime.sequence import Sequence
+from llmx.serve.base_service import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, BaseService
+from llmx.serve.embeddings import build_embedding_service
 from llmx.serve.errors import ApiError
 from llmx.serve.metrics import Metrics
 from llmx.serve.prefix_cache import default_bytes as default_prefix_bytes
@@ -28,13 +32,10 @@ from llmx.serve.responses import ChoiceResult, Responder, sse
 from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
 from llmx.serve.tokenize import detokenize, tokenize
 
-RETRY_AFTER_S = 1
-API_KEY_ENV = "LLMX_API_KEY"
-DEFAULT_MAX_BODY_BYTES = 1 << 20
 CLIENT_CHECK_S = 0.25  # how often a whole answer's wait looks whether its client is still there
 
 
-def build_service(artifact: str | Path | None = None, *, engine=None, model_name: str | None = None,
+def build_service(artifact: str | Path | Artifact | None = None, *, engine=None, model_name: str | None = None,
                   max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
                   threads: int | None = None, spin: bool | None = None, low_memory: bool = False,
@@ -63,15 +64,11 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
     if tool_call_format is not None and tool_call_format not in FORMATS:
         raise InputError(f"unknown tool-call format {tool_call_format!r}: one of {', '.join(FORMATS)}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    name = model_name or Path(artifact or engine.artifact).resolve().name
+    # A wrong path fails here, loudly, not later in the scheduler thread.
+    artifact = engine.artifact if engine is not None else Artifact.of(artifact)
+    name = model_name or artifact.root.resolve().name
     if engine is None:
-        from llmx.artifact.manifest import load_manifest
-        from llmx.runtime.engine import Engine, engine_options
-
-        manifest = load_manifest(artifact)  # a wrong path fails here, loudly, not later in the scheduler thread
-        if manifest.kind == "encoder":
-            from llmx.serve.embeddings import build_embedding_service
-
+        if artifact.manifest.kind == "encoder":
             if speculative is not None:
                 raise InputError("speculative decoding applies to text generation; this artifact is an encoder")
             return build_embedding_service(artifact, name, key, max_batch=max_batch, max_queue=max_queue,
@@ -82,104 +79,17 @@ def build_service(artifact: str | Path | None = None, *, engine=None, model_name
         load = lambda: engine  # noqa: E731
     load_drafter = None
     if speculative is not None:
-        from llmx.runtime.drafters import check_speculative, make_drafter
-
         check_speculative(speculative, draft, num_draft_tokens)
         load_drafter = lambda target: make_drafter(speculative, target, num_draft_tokens, draft,  # noqa: E731
                                                    backend=backend, threads=threads)
     if prefix_cache_mb is None:
-        prefix_bytes = default_prefix_bytes(engine.manifest if engine is not None else manifest, max_batch)
+        prefix_bytes = default_prefix_bytes(artifact.manifest, max_batch)
     else:
         prefix_bytes = prefix_cache_mb << 20
     scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_bytes, load_drafter).start()
     service = Service(scheduler, name, key, keepalive_s, max_body_bytes)
     service.tool_format = FORMATS.get(tool_call_format)
     return service
-
-
-class BaseService:
-    """What every served artifact shares: API key, body limit, fork check, health, metrics.
-
-    A decoder artifact is served by ``Service`` (completions), an encoder by
-    ``EmbeddingService`` (serve/embeddings.py); each answers the other's endpoints with a 400
-    that says which endpoints this model has.
-    """
-
-    kind = "decoder"
-    endpoints = ("/v1/completions", "/v1/chat/completions")
-
-    def __init__(self, worker, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        # The worker thread owns the model: a Scheduler (decoders) or an EmbeddingBatcher
-        # (encoders). Both load it in their own thread and expose ready/settled/alive/load_error.
-        self.worker, self.metrics, self.model_name, self.api_key = worker, worker.metrics, model_name, api_key
-        self.keepalive_s, self.max_body_bytes = keepalive_s, max_body_bytes
-        self.pid = os.getpid()
-        self.created = int(time.time())
-
-    def authorize(self, header: str | None) -> None:
-        if not self.api_key:
-            return
-        scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-
-    def check_size(self, raw: bytes) -> None:
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large")
-
-    def check_process(self) -> None:
-        if os.getpid() != self.pid:
-            raise ApiError(500, "the engine was created before this process forked (gunicorn --preload?); "
-                                "load it in each worker: run without --preload", code="engine_forked")
-
-    def health(self) -> dict:
-        return {"status": "ok"}
-
-    def drain(self, timeout: float) -> bool:
-        """Graceful shutdown. Embedding requests are short and run to the end as they are; the
-        generation Service overrides this to end queued and overlong work cleanly."""
-        return True
-
-    def wait_loaded(self) -> None:
-        """Block until the model has loaded; re-raise its load error (the CLI prints one line)."""
-        self.worker.settled.wait()
-        if self.worker.load_exception is not None:
-            raise self.worker.load_exception
-
-    def check_loaded(self) -> None:
-        """A 503 until the worker has loaded the model, or with the reason it could not."""
-        self.check_process()
-        if self.worker.load_error:
-            raise ApiError(503, f"model failed to load: {self.worker.load_error}", code="model_not_loaded")
-        if not self.worker.ready.is_set() or not self.worker.alive:
-            raise ApiError(503, "model is loading", code="model_not_ready", retry_after=RETRY_AFTER_S)
-
-    def max_model_len(self) -> int | None:
-        """The longest input the loaded model takes (None while loading)."""
-        return None
-
-    def models(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llmx"}
-        if self.worker.ready.is_set() and (limit := self.max_model_len()) is not None:
-            card["max_model_len"] = limit
-        return {"object": "list", "data": [card]}
-
-    def wrong_kind(self, endpoint: str) -> ApiError:
-        return ApiError(400, f"model '{self.model_name}' ({self.kind}) does not serve {endpoint}; "
-                             f"it serves {', '.join(self.endpoints)}", code="unsupported_endpoint")
-
-    def generate(self, raw: bytes, chat: bool, client_gone: Callable[[], bool] | None = None):
-        raise self.wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
-
-    def embed(self, raw: bytes):
-        raise self.wrong_kind("/v1/embeddings")
-
-    def tokenize(self, raw: bytes):
-        raise self.wrong_kind("/tokenize")
-
-    def detokenize(self, raw: bytes):
-        raise self.wrong_kind("/detokenize")
 
 
 class Service(BaseService):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llmx.errors import InputError
-from llmx.artifact.manifest import load_manifest
+from llmx.artifact import Artifact
 from llmx.runtime import cpu_plan
 from llmx.runtime.cpu_plan import cpu_times, idle_per_cpu, plan_threads, sample_idle
 from llmx.runtime.onnx_backend import OrtBackend
@@ -112,7 +112,7 @@ def test_the_backend_sessions_get_the_plan(llama_artifact, monkeypatch, idle, ex
     monkeypatch.setattr(cpu_plan, "physical_cores", lambda: 2)
     monkeypatch.delenv("LLMX_THREADS", raising=False)
     monkeypatch.delenv("LLMX_SPIN", raising=False)
-    backend = OrtBackend(llama_artifact, load_manifest(llama_artifact), lazy_prefill=False)
+    backend = OrtBackend(Artifact.open(llama_artifact), lazy_prefill=False)
     for session in backend.sessions.values():
         assert _options(session) == expected
 
@@ -126,9 +126,9 @@ def _generate(backend: OrtBackend, prompts: list[list[int]], steps: int) -> list
 
 
 def test_one_prompt_is_prefilled_by_the_decode_session_with_the_same_logits(llama_artifact):
-    manifest = load_manifest(llama_artifact)
-    lazy = OrtBackend(llama_artifact, manifest, threads=1)
-    eager = OrtBackend(llama_artifact, manifest, threads=1, lazy_prefill=False)
+    artifact = Artifact.open(llama_artifact)
+    lazy = OrtBackend(artifact, threads=1)
+    eager = OrtBackend(artifact, threads=1, lazy_prefill=False)
     assert set(lazy.sessions) == {"decode"} and set(eager.sessions) == {"prefill", "decode"}
     prompt = [[1, 5, 9, 14, 3, 7, 2]]
     for a, b in zip(_generate(lazy, prompt, 6), _generate(eager, prompt, 6)):
@@ -144,11 +144,11 @@ def test_one_prompt_is_prefilled_by_the_decode_session_with_the_same_logits(llam
 def test_one_prompt_prefill_refuses_an_empty_prompt(llama_artifact):
     from llmx.errors import InputError
 
-    backend = OrtBackend(llama_artifact, load_manifest(llama_artifact), threads=1)
+    backend = OrtBackend(Artifact.open(llama_artifact), threads=1)
     with pytest.raises(InputError, match="at least one token"):
         backend.prefill(backend.new_cache(1, 4), [0], [[]])
 
 
 def test_the_environment_can_load_the_prefill_session_eagerly(llama_artifact, monkeypatch):
     monkeypatch.setenv("LLMX_PREFILL_SESSION", "eager")
-    assert set(OrtBackend(llama_artifact, load_manifest(llama_artifact), threads=1).sessions) == {"prefill", "decode"}
+    assert set(OrtBackend(Artifact.open(llama_artifact), threads=1).sessions) == {"prefill", "decode"}

@@ -62,10 +62,10 @@ def prefill_logits(sess, ids: list[int]) -> np.ndarray:
 
 
 def prompt_ids(artifact: Path) -> list[int]:
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.tokenizer import Tokenizer
 
-    return Tokenizer(artifact, load_manifest(artifact)).encode(PROMPT)
+    return Tokenizer(Artifact.open(artifact)).encode(PROMPT)
 
 
 def test_fp32_gguf_matches_transformers_on_the_original_checkpoint(ggufs, store):
@@ -108,10 +108,10 @@ def test_gguf_tokenizer_and_chat_template_match_the_checkpoints(ggufs, store):
     original = Tokenizer.from_file(str(store.checkpoint("llama") / "tokenizer.json"))
     text = "import json\n<|user|>hello  world\t\u00e9t\u00e9 🙂</s>"
     assert prompt_ids(artifact)[0] == 1  # add_bos_token: <s> first
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.tokenizer import Tokenizer as Ours
 
-    ours = Ours(artifact, load_manifest(artifact))
+    ours = Ours(Artifact.open(artifact))
     assert ours.encode(text) == original.encode(text).ids
     assert ours.decode(ours.encode(text), skip_special_tokens=False).endswith(text)
     config = json.loads((store.checkpoint("llama") / "tokenizer_config.json").read_text())

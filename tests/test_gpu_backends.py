@@ -16,6 +16,7 @@ import pytest
 
 from fake_gpu import FakeBuilder, HostDevice, make_fake_tensorrt
 from llmx.errors import ArtifactError, InputError, LlmxError
+from llmx.artifact import Artifact
 from llmx.artifact.manifest import load_manifest
 from llmx.engine.tensorrt import build_artifact, plan_build
 from llmx.artifact.tensorrt import BuildLimits
@@ -157,7 +158,7 @@ def test_ort_device_backend_generates_what_the_cpu_backend_does(built, device, p
 
     art = built(precision, "split")
     cpu = Engine.load(art, threads=1)
-    backend = OrtDeviceBackend(art, load_manifest(art), provider="cpu", threads=1)  # the device path, on the CPU provider
+    backend = OrtDeviceBackend(Artifact.open(art), provider="cpu", threads=1)  # the device path, on the CPU provider
     prompts = [cpu.encode(p) for p in PROMPTS]
     for padding in ("right", "left"):
         got = [s.output_ids for s in generate(backend, cpu.tokenizer, prompts, PARAMS, padding)]
@@ -174,7 +175,7 @@ def test_captured_decode_steps_generate_what_the_cpu_backend_does(built, device,
     monkeypatch.setattr(ort_cuda_graph, "MAX_GRAPHS", 2)
     art = built("fp32", "split")
     cpu = Engine.load(art, threads=1)
-    backend = OrtDeviceBackend(art, load_manifest(art), provider="cpu", threads=1, cuda_graph=True)
+    backend = OrtDeviceBackend(Artifact.open(art), provider="cpu", threads=1, cuda_graph=True)
     assert backend.cuda_graph is not None and backend.sessions["decode"] is backend.cuda_graph.session
     prompts = [cpu.encode(p) for p in PROMPTS]
     for padding in ("right", "left"):
@@ -194,7 +195,7 @@ def test_the_device_backend_takes_every_option_bench_and_serve_pass(llama_artifa
     from llmx.runtime.ort_device_backend import OrtDeviceBackend
 
     options = engine_options("ort-cuda", 1, False, spin)
-    backend = OrtDeviceBackend(llama_artifact, load_manifest(llama_artifact), provider="cpu", **options)
+    backend = OrtDeviceBackend(Artifact.open(llama_artifact), provider="cpu", **options)
     assert backend.sessions["decode"].get_session_options().intra_op_num_threads == 1
 
 
@@ -205,8 +206,8 @@ def test_cuda_graphs_are_refused_for_fused_graphs(llama_artifact, device, tmp_pa
     optimized = tmp_path / "opt"
     optimize_artifact(llama_artifact, optimized)
     with pytest.raises(InputError, match="portable"):
-        OrtDeviceBackend(optimized, load_manifest(optimized), provider="cpu", threads=1, cuda_graph=True)
-    assert OrtDeviceBackend(optimized, load_manifest(optimized), provider="cpu", threads=1).cuda_graph is None
+        OrtDeviceBackend(Artifact.open(optimized), provider="cpu", threads=1, cuda_graph=True)
+    assert OrtDeviceBackend(Artifact.open(optimized), provider="cpu", threads=1).cuda_graph is None
 
 
 def test_ort_cuda_with_gpu_onnxruntime_but_no_gpu_is_a_clear_error(llama_artifact, monkeypatch):
@@ -217,7 +218,7 @@ def test_ort_cuda_with_gpu_onnxruntime_but_no_gpu_is_a_clear_error(llama_artifac
     # onnxruntime-gpu lists its CUDA provider even on a machine without a GPU
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     with pytest.raises(LlmxError, match="no CUDA runtime found|no CUDA GPU is visible|needs polygraphy"):
-        OrtDeviceBackend(llama_artifact, load_manifest(llama_artifact), provider="cuda")
+        OrtDeviceBackend(Artifact.open(llama_artifact), provider="cuda")
 
 
 def test_tensorrt_provider_options_come_from_the_build_record(built, monkeypatch, tmp_path):

@@ -65,14 +65,14 @@ def test_logits_within_tolerance_of_float32(pair, variant):
     assert np.abs(ours - ref).max() <= TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     assert 0 < np.abs(ours[1:] - ref[1:]).max()  # decode really read a quantized cache
-    scales = load_manifest(int8.artifact).kv.quantization
+    scales = load_manifest(int8.artifact.root).kv.quantization
     assert cache.buffers[0].dtype == np.int8 and cache.nbytes() * 4 == ref_cache.nbytes()
     assert scales["dtype"] == "int8" and scales["scale_max"] > 0
 
 
 def test_cached_values_are_within_half_a_step(pair):
     fp32, int8 = pair("llama")
-    model = onnx.load(str(int8.artifact / "decode.onnx"))
+    model = onnx.load(str(int8.artifact.root / "decode.onnx"))
     scale = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.startswith("kv_int8.scale.")}
     prompt = fp32.encode(PROMPT)
     _, ref = logits_along(fp32, prompt, [5, 6, 7])
@@ -106,14 +106,14 @@ def test_generation_paths_run_on_the_int8_cache(pair):
 
 def test_manifest_records_the_int8_cache(pair):
     fp32, int8 = pair("llama")
-    m = load_manifest(int8.artifact)
+    m = load_manifest(int8.artifact.root)
     assert m.kv.dtype == "int8" and m.precision.kv_cache == "int8"
     assert m.lineage[-1].stage == "kv-int8" and m.kv.quantization["calibration_windows"] == 8
     past, present = kv_names(m)
     decode = {t.name: t.dtype for t in m.graphs["decode"].inputs}
     assert all(decode[p] == "int8" for p in past)
     assert all(t.dtype == "int8" for t in m.graphs["prefill"].outputs if t.name in present)
-    assert json.loads((int8.artifact / "llmx.json").read_text())["kv"]["dtype"] == "int8"
+    assert json.loads((int8.artifact.root / "llmx.json").read_text())["kv"]["dtype"] == "int8"
 
 
 def test_fused_attention_is_refused(pair, store, tmp_path):
@@ -126,11 +126,11 @@ def test_fused_attention_is_refused(pair, store, tmp_path):
 def test_refusals(pair, tmp_path):
     _, int8 = pair("llama")
     with pytest.raises(InputError, match="already int8"):
-        quantize_kv_artifact(int8.artifact, tmp_path / "again", windows(int8))
+        quantize_kv_artifact(int8.artifact.root, tmp_path / "again", windows(int8))
     assert not (tmp_path / "again").exists()
     fp32, _ = pair("llama")
     with pytest.raises(InputError, match="at least one window"):
-        quantize_kv_artifact(fp32.artifact, tmp_path / "none", [])
+        quantize_kv_artifact(fp32.artifact.root, tmp_path / "none", [])
     assert not (tmp_path / "none").exists()
 
 

@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 
 from llmx import logits_to_keep
+from llmx.artifact import Artifact
 from llmx.artifact.manifest import load_manifest
 from llmx.artifact.onnx_files import describe_graph
 from llmx.runtime.chunked_prefill import ChunkedPrefill
@@ -77,7 +78,7 @@ def test_portable_graph_slices_before_the_lm_head(artifacts):
 @pytest.mark.parametrize("kind", ["portable", "optimized"])
 def test_single_prompt_prefill_keeps_only_the_last_position(kind, artifacts):
     artifact = artifacts["llama", kind]
-    backend = OrtBackend(artifact, load_manifest(artifact), threads=1, lazy_prefill=True)
+    backend = OrtBackend(Artifact.open(artifact), threads=1, lazy_prefill=True)
     assert backend.keeps_logits
     cache = backend.new_cache(1, len(PROMPT))
     last = backend.prefill(cache, [0], [PROMPT]).copy()

@@ -17,13 +17,13 @@ import pytest
 
 from checkpoints import make_checkpoint
 from llmx.errors import ArtifactError, InputError
-from llmx.artifact.manifest import load_manifest
+from llmx.artifact import Artifact
 from llmx.runtime.onnx_backend import OrtBackend
 from test_cli import error_line, run
 
 
 def _backend(artifact: Path, **options) -> OrtBackend:
-    return OrtBackend(artifact, load_manifest(artifact), threads=1, lazy_prefill=False, **options)
+    return OrtBackend(Artifact.open(artifact), threads=1, lazy_prefill=False, **options)
 
 
 def _logits(backend: OrtBackend, prompt: list[int], steps: int) -> list[np.ndarray]:
@@ -73,7 +73,7 @@ def test_cli_flag_reaches_the_backend_and_is_checked(llama_artifact, capsys):
 _MEMORY = textwrap.dedent("""
     import json, sys
     import numpy as np
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.onnx_backend import OrtBackend
 
     def anon_mb():
@@ -82,7 +82,7 @@ _MEMORY = textwrap.dedent("""
 
     before = anon_mb()
     mode = sys.argv[2]  # "eager": both sessions packed; "lazy": the default; "low": --low-memory
-    backend = OrtBackend(sys.argv[1], load_manifest(sys.argv[1]), threads=1, low_memory=mode == "low",
+    backend = OrtBackend(Artifact.open(sys.argv[1]), threads=1, low_memory=mode == "low",
                          lazy_prefill=mode != "eager")
     cache = backend.new_cache(1, 16)
     backend.prefill(cache, [0], [[1, 5, 9, 14]])
@@ -128,12 +128,12 @@ def test_server_loads_its_engine_in_low_memory_mode(llama_artifact):
 _TRUNCATE = textwrap.dedent("""
     import os, sys
     import numpy as np
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.onnx_backend import OrtBackend
     from llmx.errors import ArtifactError
 
     art = sys.argv[1]
-    backend = OrtBackend(art, load_manifest(art), threads=1, low_memory=True)
+    backend = OrtBackend(Artifact.open(art), threads=1, low_memory=True)
     cache = backend.new_cache(1, 16)
     first = backend.prefill(cache, [0], [[1, 2, 3]])
     weights = os.path.join(art, "weights.bin")

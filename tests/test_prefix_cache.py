@@ -43,7 +43,7 @@ class CountingBackend:
 @pytest.fixture(scope="module")
 def engine(llama_artifact):
     loaded = Engine.load(llama_artifact, threads=1)
-    return Engine(loaded.artifact, loaded.manifest, CountingBackend(loaded.backend), loaded.tokenizer)
+    return Engine(loaded.artifact, CountingBackend(loaded.backend), loaded.tokenizer)
 
 
 @contextmanager

@@ -218,7 +218,7 @@ def test_engine_errors_fail_the_requests_they_hit_and_the_server_goes_on(engine)
         def prefill(self, *args, **kwargs):
             return self.call("prefill", *args, **kwargs)
 
-    flaky = Engine(engine.artifact, engine.manifest, Flaky(engine.backend), engine.tokenizer)
+    flaky = Engine(engine.artifact, Flaky(engine.backend), engine.tokenizer)
     with running(Scheduler(lambda: flaky, max_batch=2)) as scheduler:
         scheduler.ready.wait(30)
         broken = scheduler.submit([sequence(engine, "def", max_new_tokens=100, temperature=0, ignore_eos=True)])

@@ -13,6 +13,7 @@ import pytest
 
 from fake_gpu import FakeBuilder
 from llmx.errors import ArtifactError, InputError
+from llmx.artifact import Artifact
 from llmx.artifact.manifest import load_manifest
 from llmx.engine.tensorrt import ArtifactFacts, build_artifact, plan_build, resolve_precision
 from llmx.engine.trt_profiles import engine_specs
@@ -183,14 +184,14 @@ def test_calibration_tables_in_every_format_read_as_amax(tmp_path):
 
 def test_calibration_table_is_found_from_the_manifest_or_by_name(llama_artifact, tmp_path):
     manifest = load_manifest(llama_artifact)
-    assert find_calibration_table(tmp_path, manifest) is None
+    assert find_calibration_table(Artifact(tmp_path, manifest)) is None
     (tmp_path / "calib").mkdir()
     (tmp_path / "calib" / "table.json").write_text("{}")
     manifest.extras["calibration"] = {"table": "calib/table.json"}
-    assert find_calibration_table(tmp_path, manifest) == tmp_path / "calib" / "table.json"
+    assert find_calibration_table(Artifact(tmp_path, manifest)) == tmp_path / "calib" / "table.json"
     manifest.extras = {}
     (tmp_path / "calibration.cache").write_text("")
-    assert find_calibration_table(tmp_path, manifest) == tmp_path / "calibration.cache"
+    assert find_calibration_table(Artifact(tmp_path, manifest)) == tmp_path / "calibration.cache"
 
 
 def test_build_progress_prints_top_phases_with_times():

@@ -175,12 +175,12 @@ def test_ort_cuda_backend_matches_the_cpu_backend(built, llama_artifact, precisi
 def test_ort_cuda_graph_decode_equals_plain_steps(llama_artifact):
     """ort-cuda captures portable decode steps as CUDA graphs by default; they must give what
     plain steps give (checked on an H100 with benchmarks/gpu_verify.py, 2026-11-23)."""
-    from llmx.artifact.manifest import load_manifest
+    from llmx.artifact import Artifact
     from llmx.runtime.ort_device_backend import OrtDeviceBackend
 
-    manifest = load_manifest(llama_artifact)
-    graphs = OrtDeviceBackend(llama_artifact, manifest, provider="cuda")
-    plain = OrtDeviceBackend(llama_artifact, manifest, provider="cuda", cuda_graph=False)
+    artifact = Artifact.open(llama_artifact)
+    graphs = OrtDeviceBackend(artifact, provider="cuda")
+    plain = OrtDeviceBackend(artifact, provider="cuda", cuda_graph=False)
     assert graphs.cuda_graph is not None and plain.cuda_graph is None
     cpu = Engine.load(llama_artifact, threads=2)
     prompts = [cpu.encode(p) for p in PROMPTS]

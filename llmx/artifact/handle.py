@@ -21,6 +21,9 @@ class Artifact:
     root: Path
     manifest: Manifest
 
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))  # callers holding a str directory get a Path too
+
     @classmethod
     def open(cls, path: str | Path) -> "Artifact":
         """The artifact at ``path``; its manifest, every field and every file path, checked."""
@@ -34,6 +37,13 @@ class Artifact:
     def file(self, rel: str, field: str = "file") -> Path:
         """``root / rel``, refused if it resolves outside the artifact; ``field`` names it in errors."""
         return artifact_file(self.root, rel, field)
+
+    def existing_file(self, rel: str, field: str = "file") -> Path:
+        """``file(rel)``, refused with one line if it is not there (what a reader opens next)."""
+        path = self.file(rel, field)
+        if not path.is_file():
+            raise ArtifactError(f"{self.root} is missing {rel}")
+        return path
 
     def graph(self, name: str) -> GraphSpec:
         if name not in self.manifest.graphs:

@@ -39,8 +39,7 @@ def register(cli: click.Group) -> None:
         A fixed prompt of exactly --prompt-len token ids; --new-tokens tokens each, EOS ignored;
         --warmup untimed runs, then --repeat timed runs; medians are reported.
         """
-        from llmx.runtime.bench import bench as run_bench
-        from llmx.runtime.bench import context_sweep
+        from llmx.runtime.bench import bench as run_bench, context_sweep
         from llmx.runtime.engine import Engine, engine_options
 
         contexts = _contexts(contexts)

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import click
 
+from llmx.artifact.handle import Artifact
+from llmx.artifact.tensorrt import LAYOUTS, BuildLimits
 from llmx.commands.options import force_option
 
 PRECISION_HELP = (
@@ -14,7 +16,6 @@ PRECISION_HELP = (
 
 def register(cli: click.Group) -> None:
     from llmx.engine.tensorrt import PRECISIONS
-    from llmx.artifact.tensorrt import LAYOUTS
 
     @cli.command("build")
     @click.argument("artifact", type=click.Path(path_type=Path))
@@ -47,8 +48,8 @@ def register(cli: click.Group) -> None:
         records the TensorRT version and GPU; engines refuse to load anywhere else.
         """
         from llmx.engine.tensorrt import build_artifact, plan_build
-        from llmx.artifact.tensorrt import BuildLimits
 
+        artifact = Artifact.open(artifact)
         limits = BuildLimits(max_batch, max_seq_len, max_decode_tokens, prefill_chunk, opt_batch)
         plan = plan_build(artifact, precision, layout, limits)
         if dry_run:

@@ -3,6 +3,7 @@ import json
 import click
 
 from llmx.commands.options import force_option, threads_option
+from llmx.errors import InputError
 
 
 def tqdm_progress(desc: str, total: int):
@@ -38,7 +39,6 @@ def _block_size(ctx, param, value: str) -> int | None:
 def search_space(scheme, search: bool, target, fallback: bool, method, alpha, awq):
     """The search's dimensions: every flag given fixes its own; None without search or a scheme."""
     from llmx.calibration.search import ALPHAS, METHODS, SearchSpace
-    from llmx.errors import InputError
 
     if not search or scheme is None:
         if target is not None:

@@ -2,8 +2,10 @@ import json
 import sys
 
 import click
+import numpy as np
 
 from llmx.commands.options import threads_option
+from llmx.errors import InputError
 
 
 def register(cli: click.Group) -> None:
@@ -18,9 +20,6 @@ def register(cli: click.Group) -> None:
 
         Without --json, prints one line per input: the vector's first values and its norm.
         """
-        import numpy as np
-
-        from llmx.errors import InputError
         from llmx.runtime.embed import Embedder
 
         inputs = list(texts) + ([line.rstrip("\n") for line in file if line.strip()] if file else [])

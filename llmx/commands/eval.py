@@ -3,6 +3,7 @@ import json
 import click
 
 from llmx.commands.options import backend_options
+from llmx.errors import InputError
 
 
 def register(cli: click.Group) -> None:
@@ -19,7 +20,6 @@ def register(cli: click.Group) -> None:
     def evaluate(artifact, data, samples, seq_len, reference, as_json, backend, threads, low_memory):
         """Perplexity of ARTIFACT on text (windows of --seq-len tokens, scored by the decode graph)."""
         from llmx.calibration.data import pick_windows, read_text_data, token_windows
-        from llmx.errors import InputError
         from llmx.runtime.engine import Engine, engine_options
         from llmx.runtime.evaluate import agreement, perplexity
 

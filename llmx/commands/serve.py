@@ -1,3 +1,4 @@
+import logging
 import signal
 import socket
 import threading
@@ -5,7 +6,7 @@ import threading
 import click
 
 from llmx.commands.options import backend_options, check_speculative_options, speculative_options
-from llmx.errors import InputError
+from llmx.errors import InputError, require
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -64,10 +65,6 @@ def register(cli: click.Group) -> None:
         seconds, then the process exits 0. For many clients run the same app under gunicorn
         (docs/serving.md): gunicorn 'llmx.serve:create_app("./art")' -c deploy/gunicorn.conf.py
         """
-        import logging
-
-        from llmx.errors import require
-
         require("flask", "llmx serve", "serve")
         from llmx.serve import create_app
         from llmx.serve.http_server import make_server
