@@ -1,6 +1,12 @@
-"""Exporting a 1.1B-parameter checkpoint: peak RSS and wall time of `llmx export`.
+"""Exporting a big checkpoint: peak RSS and wall time of `llmx export`.
 
-    python benchmarks/big_export.py [--work DIR] [--keep] [--gguf Q8_0]
+    python benchmarks/big_export.py [--shape tinyllama-1.1b|qwen3-4b|llama3.1-8b] [--graphs fused]
+                                    [--precision fp32|w8|w4] [--work DIR] [--keep] [--gguf Q8_0]
+
+``--shape`` picks the checkpoint (default the TinyLlama-1.1B shape below; qwen3-4b: 36 layers,
+hidden 2560, q/k norms, tied head, vocab 151936; llama3.1-8b: 32 layers, hidden 4096, 8 KV
+heads, intermediate 14336, vocab 128256, llama3 RoPE scaling). ``--graphs``/``--precision`` are
+passed to `llmx export` (fused: the streamed export, which never loads the model).
 
 Builds a TinyLlama-1.1B-shaped Llama checkpoint with random bf16 weights (hidden 2048, 22
 layers, 32 heads, 4 KV heads, intermediate 5632, vocab 32000, untied head), written shard by
@@ -30,21 +36,37 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from smollm_shape import TINYLLAMA_1_1B as TINYLLAMA_1B, write_tokenizer  # noqa: E402
 
-LAYERS_PER_SHARD = 4
+LAYERS_PER_SHARD = 2
+QWEN3_4B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2560, intermediate_size=9728,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                hidden_act="silu")
+LLAMA31_8B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 8192}, hidden_act="silu")
+SHAPES = {"tinyllama-1.1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                                 **TINYLLAMA_1B),
+          "qwen3-4b": QWEN3_4B, "llama3.1-8b": LLAMA31_8B}
+SHAPE = SHAPES["tinyllama-1.1b"]  # set by --shape
 
 
 def _layer_shapes(i: int) -> dict[str, tuple[int, ...]]:
-    c = TINYLLAMA_1B
+    c = SHAPE
     h, inter = c["hidden_size"], c["intermediate_size"]
-    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    head_dim = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = head_dim * c["num_attention_heads"], head_dim * c["num_key_value_heads"]
     p = f"model.layers.{i}."
-    return {
+    norms = ({p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+             if c["model_type"] == "qwen3" else {})
+    return {**norms,
         p + "input_layernorm.weight": (h,),
         p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (h, h),
+        p + "self_attn.q_proj.weight": (q, h),
         p + "self_attn.k_proj.weight": (kv, h),
         p + "self_attn.v_proj.weight": (kv, h),
-        p + "self_attn.o_proj.weight": (h, h),
+        p + "self_attn.o_proj.weight": (h, q),
         p + "mlp.gate_proj.weight": (inter, h),
         p + "mlp.up_proj.weight": (inter, h),
         p + "mlp.down_proj.weight": (h, inter),
@@ -52,7 +74,7 @@ def _layer_shapes(i: int) -> dict[str, tuple[int, ...]]:
 
 
 def _shards() -> list[dict[str, tuple[int, ...]]]:
-    c = TINYLLAMA_1B
+    c = SHAPE
     h, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     shards = [{"model.embed_tokens.weight": (v, h)}]
     for start in range(0, n, LAYERS_PER_SHARD):
@@ -60,7 +82,7 @@ def _shards() -> list[dict[str, tuple[int, ...]]]:
         for i in range(start, min(start + LAYERS_PER_SHARD, n)):
             shard.update(_layer_shapes(i))
         shards.append(shard)
-    shards.append({"model.norm.weight": (h,), "lm_head.weight": (v, h)})
+    shards.append({"model.norm.weight": (h,), **({} if c.get("tie_word_embeddings") else {"lm_head.weight": (v, h)})})
     return shards
 
 
@@ -83,10 +105,9 @@ def build_checkpoint(directory: Path, seed: int = 0) -> tuple[Path, int]:
         weight_map.update({key: name for key in shard})
         del tensors
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-              "torch_dtype": "bfloat16", **TINYLLAMA_1B}
+    config = {"torch_dtype": "bfloat16", **SHAPE}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(directory, TINYLLAMA_1B["vocab_size"])
+    write_tokenizer(directory, SHAPE["vocab_size"])
     return directory, params
 
 
@@ -164,9 +185,9 @@ def write_gguf(ckpt: Path, out: Path, qtype: str) -> Path:
     return out
 
 
-def run_export(ckpt: Path, out: Path) -> dict:
+def run_export(ckpt: Path, out: Path, flags: list[str]) -> dict:
     llmx = Path(sys.executable).with_name("llmx")
-    cmd = ["nice", "-n", "10", str(llmx), "export", str(ckpt), "-o", str(out), "--force"]
+    cmd = ["nice", "-n", "10", str(llmx), "export", str(ckpt), "-o", str(out), "--force", *flags]
     start = time.perf_counter()
     child = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     sampler = RssSampler(child.pid)
@@ -194,19 +215,26 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/llmx-big-export"))
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and artifact")
     parser.add_argument("--gguf", metavar="TYPE", help="export a GGUF of the checkpoint instead (Q8_0, Q4_0, F32, ...)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
+    parser.add_argument("--graphs", choices=["portable", "fused"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "w8", "w4"])
     args = parser.parse_args()
+    global SHAPE
+    SHAPE = SHAPES[args.shape]
+    flags = [*(["--graphs", args.graphs] if args.graphs else []), "--precision", args.precision]
     t0 = time.perf_counter()
-    ckpt, params = build_checkpoint(args.work / "ckpt")
+    ckpt, params = build_checkpoint(args.work / f"ckpt-{args.shape}")
     source = write_gguf(ckpt, args.work / f"tinyllama-{args.gguf}.gguf", args.gguf) if args.gguf else ckpt
     build_s = time.perf_counter() - t0
     fp32_bytes = params * 4
     print(f"checkpoint: {params / 1e9:.3f}B parameters, fp32 {fp32_bytes / 2**30:.2f} GiB (built in {build_s:.0f}s)")
-    result = run_export(source, args.work / "art")
+    result = run_export(source, args.work / "art", [] if args.gguf else flags)
     artifact_bytes = sum(p.stat().st_size for p in (args.work / "art").rglob("*") if p.is_file())
     gib = 2**30
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "shape": TINYLLAMA_1B, "parameters": params, "checkpoint_dtype": "bfloat16",
+        "shape": args.shape, "config": SHAPE, "parameters": params, "checkpoint_dtype": "bfloat16",
+        "export_flags": [] if args.gguf else flags,
         "source": f"gguf {args.gguf}" if args.gguf else "safetensors",
         "fp32_weight_bytes": fp32_bytes, "artifact_bytes": artifact_bytes,
         "peak_rss_over_fp32": round(result["peak_rss_bytes"] / fp32_bytes, 2), **result,
@@ -219,12 +247,13 @@ def main() -> None:
           f"| {record['peak_rss_over_fp32']} | {result['wall_s']} | {artifact_bytes / gib:.2f} |")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    label = f"_gguf_{args.gguf}" if args.gguf else ""
+    label = f"_gguf_{args.gguf}" if args.gguf else f"_{args.shape}_{args.graphs or 'default'}_{args.precision}"
     path = results / f"big_export{label}_{datetime.now(timezone.utc):%Y-%m-%d_%H%M}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {path}")
     if not args.keep:
-        shutil.rmtree(args.work, ignore_errors=True)
+        shutil.rmtree(args.work / "art", ignore_errors=True)
+        shutil.rmtree(args.work / f"ckpt-{args.shape}", ignore_errors=True)
 
 
 if __name__ == "__main__":
