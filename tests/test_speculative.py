@@ -71,7 +71,7 @@ def noisy_draft(store, tmp_path_factory):
 def drafter_for(kind: str, target, draft_artifact, k: int = 4):
     if kind == "ngram":
         return NgramDrafter(k)
-    draft = target.artifact if kind == "self-draft" else draft_artifact
+    draft = target.artifact.root if kind == "self-draft" else draft_artifact
     return make_drafter("draft", target, k, str(draft), threads=1)
 
 
