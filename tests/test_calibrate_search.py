@@ -272,11 +272,11 @@ def test_awq_scale_beats_rounding_when_a_few_channels_are_salient():
 
 def test_awq_models_are_cached_per_block_size(store, monkeypatch):
     """AWQ's scales are fitted to the blocks they round in: one smoothed model per block size, reused."""
-    import llmx.calibration.awq as awq
+    import llmx.calibration.candidates as candidates
     from llmx.calibration.candidates import Candidate, WeightOnlyBuilder
 
     fitted = []
-    monkeypatch.setattr(awq, "awq_scales", lambda model, base, stats, block, bits: fitted.append(block) or {})
+    monkeypatch.setattr(candidates, "awq_scales", lambda model, base, stats, block, bits: fitted.append(block) or {})
     builder = WeightOnlyBuilder(store.artifact("llama") / "decode.onnx", "decode", None, "w4", True)
     for block in (128, 32, 128):
         model, _ = builder.build(Candidate(awq=True, block_size=block))
