@@ -15,9 +15,10 @@ from typing import Any, Callable
 from llmx.errors import InputError, LlmxError
 from llmx.runtime.beam import BeamParams
 from llmx.runtime.chat import render_chat
-from llmx.runtime.constraints import ConstraintSpec, compile_constraint
+from llmx.runtime.constraints import ConstraintSpec
+from llmx.runtime.decoding_request import BEAM_OPTIONS, DecodingRequest, for_model
 from llmx.runtime.params import (MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Checker, ParamError, check_beam_compatible,
-                                 integer, invalid, logit_bias, prompt_room, text)
+                                 integer, invalid, prompt_room, text)
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
 from llmx.serve.tool_calls import ToolFormat, detect_format
@@ -329,12 +330,11 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
     if len(prompts) * f["n"] > MAX_CHOICES:
         raise bad_request(f"prompts x n may be at most {MAX_CHOICES}", param="n")
     budgets = [fit_context(p, max_tokens, engine.max_seq_len, "messages" if chat else "prompt") for p in prompts]
-    if f["logit_bias"] is not None:  # null means none; "", 0 and [] are wrong types, not "none"
-        f["logit_bias"] = logit_bias(engine.manifest.model.vocab_size)(f["logit_bias"], "logit_bias")
-    f["constraint"] = constraint(f, engine)
+    given = decoding_rules(f, logprobs)
+    f["logit_bias"], f["constraint"] = for_engine(f, given, engine)
     params = [sampling_params(f, budget, logprobs, j) for budget in budgets for j in range(f["n"])]
     include_usage = bool(f["stream_options"] and f["stream_options"]["include_usage"])
-    beam = beam_params(f, budgets, logprobs, chat)
+    beam = beam_params(f, budgets, chat)
     if tools:
         if beam:
             raise bad_request("tools cannot be combined with use_beam_search", param="tools", code="unsupported_parameter")
@@ -345,34 +345,57 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
     return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam, tools)
 
 
-def constraint(f: dict, engine):
-    """The request's grammar, compiled and tried now: a 400 before any work is queued."""
+class Fields:
+    """The shared decoding rules' refusals (runtime/decoding_request.py), in the request's field names.
+    A request cannot ask for speculative decoding (the server's own is checked by the service),
+    so the mode refused here is always beam search."""
+
+    def __init__(self, bias):
+        self.bias = bias
+
+    def several_constraints(self, names: list[str]):
+        raise bad_request(f"{' and '.join(repr(n) for n in names)} do not combine: send one", param=names[1])
+
+    def not_combined(self, feature: str, mode: str):
+        if feature == "logit_bias":
+            check_beam_compatible({"logit_bias": self.bias})  # in beam search's words for every sampling field
+        raise bad_request(f"'{feature}' is not supported with beam search", param=feature, code="unsupported_parameter")
+
+    def beam_option_alone(self, name: str):
+        raise bad_request(f"'{name}' applies to beam search: set use_beam_search", param=name)
+
+
+def decoding_rules(f: dict, logprobs: int | None) -> str | None:
+    """Refuse what this request's constraint, logit_bias and beam search cannot combine; the
+    constraint's field, if one was given."""
     given = [name for name in ("response_format", "structured_outputs") if f[name] is not None]
-    if not given:
-        return None
-    if len(given) > 1:
-        raise bad_request("'response_format' and 'structured_outputs' do not combine: send one", param=given[1])
-    if f["use_beam_search"]:
-        raise bad_request(f"'{given[0]}' is not supported with beam search", param=given[0], code="unsupported_parameter")
+    request = DecodingRequest(given, bool(f["logit_bias"]), f["use_beam_search"],
+                              beam_options=[name for name in BEAM_OPTIONS if f[name] is not None],
+                              sampling={**f, "logprobs": logprobs})
     try:
-        return compile_constraint(f[given[0]], engine.tokenizer, engine.manifest.model.vocab_size)
-    except InputError as exc:
-        raise bad_request(str(exc), param=given[0], code="invalid_schema") from None
-    except LlmxError as exc:  # llguidance not installed on this server
-        raise bad_request(str(exc), param=given[0], code="unsupported_parameter") from None
-
-
-def beam_params(f: dict, budgets: list[int], logprobs: int | None, chat: bool) -> list[BeamParams] | None:
-    """BeamParams per prompt for use_beam_search (width best_of, else n; the n best are returned)."""
-    if not f["use_beam_search"]:
-        for name in ("length_penalty", "early_stopping"):
-            if f[name] is not None:
-                raise bad_request(f"'{name}' applies to beam search: set use_beam_search", param=name)
-        return None
-    try:
-        check_beam_compatible({**f, "logprobs": logprobs})
+        request.check(Fields(f["logit_bias"]))
     except ParamError as exc:
         raise bad_request(str(exc), param=exc.param, code="unsupported_parameter") from None
+    return given[0] if given else None
+
+
+def for_engine(f: dict, given: str | None, engine):
+    """logit_bias checked against the vocabulary ("", 0 and [] are wrong types, not "none"), and the
+    grammar compiled and tried now: a 400 before any work is queued."""
+    try:
+        return for_model(f[given] if given else None, f["logit_bias"], engine.tokenizer, engine.manifest.model.vocab_size)
+    except ParamError:
+        raise  # a bad logit_bias entry: parse_job names it
+    except InputError as exc:
+        raise bad_request(str(exc), param=given, code="invalid_schema") from None
+    except LlmxError as exc:  # llguidance not installed on this server
+        raise bad_request(str(exc), param=given, code="unsupported_parameter") from None
+
+
+def beam_params(f: dict, budgets: list[int], chat: bool) -> list[BeamParams] | None:
+    """BeamParams per prompt for use_beam_search (width best_of, else n; the n best are returned)."""
+    if not f["use_beam_search"]:
+        return None
     width = f["n"] if chat or f["best_of"] is None else f["best_of"]
     if width < f["n"]:
         raise bad_request(f"'best_of' ({width}) must be at least n ({f['n']})", param="best_of")

@@ -121,3 +121,59 @@ def test_export_progress_stamps_each_phase_and_speaks_up_in_long_silences(monkey
     assert lines[0].endswith("] exporting prefill and decode graphs")
     assert any(line.endswith("] ... still exporting prefill and decode graphs") for line in lines[1:-2]), err
     assert lines[-1].endswith(f"] wrote {tmp_path / 'art'} (llama, 2 graphs)")
+
+
+class Recorded(Exception):
+    """Which rule runtime/decoding_request.py chose, whatever a front end would call it."""
+
+
+class Recorder:
+    def several_constraints(self, names):
+        raise Recorded("several_constraints", *names)
+
+    def not_combined(self, feature, mode):
+        raise Recorded("not_combined", feature, mode)
+
+    def beam_option_alone(self, name):
+        raise Recorded("beam_option_alone", name)
+
+
+@pytest.mark.parametrize("rule, request_, cli, body, cli_words, http", [
+    (("not_combined", "constraint", "beams"), dict(constraints=["constraint"], beams=True),
+     ["--regex", "[a-z]", "--num-beams", "2"], {"structured_outputs": {"regex": "[a-z]"}, "use_beam_search": True, "n": 2},
+     "a constraint (--json-schema/--regex/--grammar) does not combine with --num-beams",
+     ("'structured_outputs' is not supported with beam search", "structured_outputs")),
+    (("not_combined", "logit_bias", "beams"), dict(logit_bias=True, beams=True),
+     ["--logit-bias", "5=1", "--num-beams", "2"], {"logit_bias": {"5": 1}, "use_beam_search": True, "n": 2},
+     "--logit-bias does not combine with --num-beams", ("'logit_bias' is not supported with beam search", "logit_bias")),
+    (("beam_option_alone", "length_penalty"), dict(beam_options=["length_penalty"]),
+     ["--length-penalty", "2"], {"length_penalty": 2},
+     "--length-penalty applies to beam search", ("'length_penalty' applies to beam search", "length_penalty")),
+    (("several_constraints", "one", "two"), dict(constraints=["one", "two"], beams=True),
+     ["--regex", "a", "--json-schema", "{schema}", "--num-beams", "2"],
+     {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}, "use_beam_search": True, "n": 2},
+     "--json-schema and --regex do not combine",
+     ("'response_format' and 'structured_outputs' do not combine", "structured_outputs")),
+], ids=["constraint-beams", "bias-beams", "beam-option-alone", "two-constraints-first"])
+def test_one_rule_refuses_decoding_combinations_in_the_cli_and_the_server(llama_artifact, api, capsys, tmp_path, rule,
+                                                                          request_, cli, body, cli_words, http):
+    from llmx.runtime.decoding_request import DecodingRequest
+
+    with pytest.raises(Recorded) as chosen:
+        DecodingRequest(**request_).check(Recorder())
+    assert chosen.value.args == rule
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    code, out, err = run(["generate", str(llama_artifact), "def", *(a.format(schema=schema) for a in cli)], capsys)
+    assert code == 2 and out == "" and last_line(err).startswith(f"error: {cli_words}"), err
+    answer = post(api, **body)
+    error = answer.get_json()["error"]
+    assert answer.status_code == 400 and error["message"].startswith(http[0]) and error["param"] == http[1], error
+
+
+def test_a_constraint_with_logit_bias_is_accepted_by_both(llama_artifact, api, capsys):
+    code, out, err = run(["generate", str(llama_artifact), "def", "--regex", "[a-z]{2}", "--logit-bias", "5=-100",
+                          "--temperature", "0", "--max-new-tokens", "4"], capsys)
+    answer = post(api, structured_outputs={"regex": "[a-z]{2}"}, logit_bias={"5": -100}, temperature=0, max_tokens=4)
+    assert code == 0, err
+    assert answer.status_code == 200 and answer.get_json()["choices"][0]["text"] == out.strip()

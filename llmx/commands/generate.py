@@ -58,19 +58,21 @@ def register(cli: click.Group) -> None:
         llmx generate ./art "user = " --json-schema person.schema.json --temperature 0
         """
         from llmx.runtime.chat import render_chat
+        from llmx.runtime.decoding_request import BEAM_OPTIONS, DecodingRequest, for_model
         from llmx.runtime.engine import Engine, engine_options
         from llmx.runtime.sampling import SamplingParams
 
         check_speculative_options(ctx, speculative)
         params = SamplingParams(**{**sampling, "stop": list(sampling["stop"])}).validate()  # the server's ranges
+        constraints = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+                       if value]
+        given = [name for name in BEAM_OPTIONS if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        DecodingRequest(constraints, bool(logit_bias), num_beams > 1, bool(speculative), given, sampling).check(FLAGS)
         spec = _constraint_spec(json_schema, regex, grammar)
         bias = _logit_bias(logit_bias)
-        if (spec or bias) and (num_beams > 1 or speculative):
-            raise InputError(f"{'--logit-bias' if bias and not spec else 'a constraint (--json-schema/--regex/--grammar)'} "
-                             f"does not combine with {'--num-beams' if num_beams > 1 else '--speculative'}")
-        beams = _beam_params(ctx, num_beams, length_penalty, early_stopping, speculative, sampling)
+        beams = _beam_params(num_beams, length_penalty, early_stopping, sampling)
         engine = Engine.load(artifact, backend=backend, **engine_options(backend, threads, low_memory))
-        _constrain(params, engine, spec, bias)
+        params.logit_bias, params.constraint = for_model(spec, bias, engine.tokenizer, engine.manifest.model.vocab_size)
         text = render_chat(engine.tokenizer, [{"role": "user", "content": prompt}]) if chat else prompt
         ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
         if beams is not None:
@@ -83,13 +85,31 @@ def register(cli: click.Group) -> None:
         _run(engine, ids, params, as_json, drafter)
 
 
+class Flags:
+    """The shared decoding rules' refusals (runtime/decoding_request.py), in this command's flags."""
+
+    MODES = {"beams": "--num-beams", "speculative": "--speculative"}
+
+    def several_constraints(self, names: list[str]):
+        raise InputError(f"{' and '.join(names)} do not combine: give one constraint")
+
+    def not_combined(self, feature: str, mode: str):
+        if feature == "beams":
+            raise InputError("beam search and speculative decoding do not combine: drop --speculative or --num-beams")
+        what = "--logit-bias" if feature == "logit_bias" else "a constraint (--json-schema/--regex/--grammar)"
+        raise InputError(f"{what} does not combine with {self.MODES[mode]}")
+
+    def beam_option_alone(self, name: str):
+        raise InputError(f"--{name.replace('_', '-')} applies to beam search: add --num-beams N (N > 1)")
+
+
+FLAGS = Flags()
+
+
 def _constraint_spec(json_schema: str | None, regex: str | None, grammar: str | None):
-    """The one constraint asked for (runtime/constraints.py), or None."""
+    """The constraint asked for (runtime/constraints.py; one at most, checked already), or None."""
     from llmx.runtime.constraints import ConstraintSpec
 
-    given = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if value]
-    if len(given) > 1:
-        raise InputError(f"{' and '.join(given)} do not combine: give one constraint")
     if json_schema:
         return ConstraintSpec.json_schema(_read_text(json_schema, "--json-schema"))
     if grammar:
@@ -116,30 +136,12 @@ def _logit_bias(pairs: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _constrain(params, engine, spec, bias: dict) -> None:
-    """Check the constraint and logit_bias against the loaded model (the server's rules) and set them."""
-    from llmx.runtime.constraints import compile_constraint
-    from llmx.runtime.params import logit_bias
-
-    vocab = engine.manifest.model.vocab_size
-    params.logit_bias = logit_bias(vocab)(bias, "logit_bias") if bias else None
-    params.constraint = compile_constraint(spec, engine.tokenizer, vocab) if spec else None
-
-
-def _beam_params(ctx, num_beams: int, length_penalty: float, early_stopping: str, speculative, sampling: dict):
-    """BeamParams for --num-beams > 1 (refusing options beam search cannot honour), else None."""
+def _beam_params(num_beams: int, length_penalty: float, early_stopping: str, sampling: dict):
+    """BeamParams for --num-beams > 1 (what beam search cannot honour is refused already), else None."""
     from llmx.runtime.beam import BeamParams
-    from llmx.runtime.params import check_beam_compatible
 
-    given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE  # noqa: E731
     if num_beams == 1:
-        for name in ("length_penalty", "early_stopping"):
-            if given(name):
-                raise InputError(f"--{name.replace('_', '-')} applies to beam search: add --num-beams N (N > 1)")
         return None
-    if speculative:
-        raise InputError("beam search and speculative decoding do not combine: drop --speculative or --num-beams")
-    check_beam_compatible(sampling)  # --temperature 0 (greedy) is fine: beam search is deterministic
     stopping = {"true": True, "false": False}.get(early_stopping, early_stopping)
     return BeamParams(num_beams=num_beams, max_new_tokens=sampling["max_new_tokens"], length_penalty=length_penalty,
                       early_stopping=stopping, ignore_eos=sampling["ignore_eos"]).validate()
