@@ -4,8 +4,9 @@
 
 Each replica is a Ray actor holding one ``Service`` (one engine, its own continuous batching),
 created inside the actor's process, so nothing native crosses a fork. Ray's HTTP proxy spreads
-requests over the replicas, on one machine or a cluster; the routes, request checks, errors and
-streams are the Flask app's, because both adapt the same Service. Ray is imported only by
+requests over the replicas, on one machine or a cluster; the routes, request checks (API key,
+content type, body size), errors and streams are the Flask app's: both adapt serve/routes.py
+over the same Service. Ray is imported only by
 ``build_app``: the llmx package does not depend on it (``pip install 'llmx[ray]'``).
 """
 
@@ -15,10 +16,10 @@ import asyncio
 
 from llmx.errors import require
 from llmx.serve.errors import ApiError
+from llmx.serve.routes import SSE_HEADERS, BodyLimit, Page, admit, check_length, count, find, mimetype, refuse_unrouted
 from llmx.serve.service import EventStream, build_service
 
 INT_OPTIONS = ("max_batch", "max_queue", "prefill_chunk", "threads", "max_body_bytes")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class LlmxReplica:
@@ -39,34 +40,39 @@ class LlmxReplica:
         from starlette.responses import JSONResponse
 
         try:
-            return await self._route(request)
+            response = await self._route(request)
         except ApiError as err:
-            return JSONResponse(err.body(), err.status, headers=err.headers())
+            response = JSONResponse(err.body(), err.status, headers=err.headers())
+        path = request.url.path
+        count(self.service, path if find(path, request.method) else None, response.status_code)
+        return response
 
     async def _route(self, request):
         from starlette.responses import JSONResponse, Response, StreamingResponse
 
-        service, method, path = self.service, request.method, request.url.path
-        if path.startswith("/v1/"):
-            service.authorize(request.headers.get("authorization"))
-        if path in ("/v1/completions", "/v1/chat/completions"):
-            if method != "POST":
-                raise ApiError(405, "use POST", code="method_not_allowed")
-            if int(request.headers.get("content-length") or 0) > service.max_body_bytes:
-                raise ApiError(413, f"request body is larger than {service.max_body_bytes} bytes", code="request_too_large")
-            result = await asyncio.to_thread(service.generate, await request.body(), path.endswith("chat/completions"))
-            if isinstance(result, EventStream):
-                return StreamingResponse(_relay(result), media_type="text/event-stream", headers=SSE_HEADERS)
-            return JSONResponse(result)
-        pages = {"/v1/models": service.models, "/health": service.health, "/ready": service.ready}
-        if path == "/metrics" and method == "GET":
-            body, content_type = service.metrics.render()
-            return Response(body, media_type=content_type)
-        if path not in pages:
-            raise ApiError(404, f"no route {path}", code="not_found")
-        if method != "GET":
-            raise ApiError(405, "use GET", code="method_not_allowed")
-        return JSONResponse(pages[path]())
+        service, method, path, headers = self.service, request.method, request.url.path, request.headers
+        route = find(path, method)
+        admit(service, path, method, headers.get("authorization"), mimetype(headers.get("content-type")),
+              routed=route is not None)
+        if route is None:
+            raise refuse_unrouted(path)
+        body = b"" if route.method == "GET" else await _read_body(request, service.max_body_bytes)
+        result = await asyncio.to_thread(route.call, service, body, None)
+        if isinstance(result, EventStream):
+            return StreamingResponse(_relay(result), media_type="text/event-stream", headers=SSE_HEADERS)
+        if isinstance(result, Page):
+            return Response(result.body, media_type=result.content_type)
+        return JSONResponse(result)
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The body as it arrives, refused once past ``limit`` (a chunked body has no length to check)."""
+    length = request.headers.get("content-length")
+    check_length(int(length) if length and length.isdigit() else None, limit)
+    body = BodyLimit(limit)
+    async for part in request.stream():
+        body.add(part)
+    return body.body()
 
 
 async def _relay(stream: EventStream):
