@@ -3,7 +3,9 @@
 Two ways to the graphs (``graphs``):
 
 - "portable" (default): llmx's torch modules traced by torch's dynamo exporter; standard ONNX
-  ops that TensorRT and other runtimes read. Loads the model (fp32) into memory.
+  ops that TensorRT and other runtimes read. Decoders are traced on fake parameters with the
+  weights streamed into weights.bin (export/onnx_export.py ``export_streamed``); the fp32 model is
+  loaded only for ``verify``. Encoders (small) are loaded and traced.
 - "fused": ONNX Runtime's fused graphs written from the ModelSpec (what ``llmx optimize``
   writes) with the weights streamed from the memory-mapped checkpoint one tensor at a time
   (export/fused.py), optionally quantized as they pass (``precision`` w8/w4).
@@ -65,7 +67,7 @@ def export_checkpoint(
             raise InputError("--graphs fused is for decoders; an encoder exports portable graphs")
         for key, value in read_sentence_config(checkpoint.path).items():
             setattr(spec, key, value)
-    check_export_fits(checkpoint, out, graphs, precision, block_size)
+    check_export_fits(checkpoint, out, graphs, precision, block_size, verify)
     if graphs == "fused":
         from llmx.export.fused import export_fused
 
@@ -77,28 +79,46 @@ def export_checkpoint(
 
     from llmx.export.checkpoint import load_model
 
+    if spec.kind == "decoder":
+        from llmx.export.onnx_export import streamed_decoder_manifest
+
+        weights = f"{spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) from {checkpoint.path}"
+        model = None
+        if verify:  # the only step that needs the fp32 model in memory
+            log(f"loading {weights}")
+            model = load_model(checkpoint)
+        else:
+            log(f"streaming {weights}")
+        with staged_artifact(out, overwrite=force) as tmp:
+            tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
+            manifest = with_export_lineage(streamed_decoder_manifest(checkpoint, tmp, tokenizer, all_logits, log),
+                                           str(checkpoint.path), prefill_logits="all" if all_logits else "last")
+            if model is not None:
+                log("verifying ONNX Runtime against PyTorch")
+                _verify(model, tmp, manifest, log)
+            return finish(tmp, manifest)
+
+    # Encoders keep the loaded model's trace (their weights are small).
     log(f"loading {spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) from {checkpoint.path}")
     model = load_model(checkpoint)
     with staged_artifact(out, overwrite=force) as tmp:
+        from llmx.export.encoder import encoder_manifest
+
         tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
-        log(f"exporting {'the embedding graph' if spec.kind == 'encoder' else 'prefill and decode graphs'}")
-        if spec.kind == "encoder":
-            from llmx.export.encoder import encoder_manifest
-
-            manifest = with_export_lineage(encoder_manifest(model, tmp, tokenizer), str(checkpoint.path))
-        else:
-            from llmx.export.onnx_export import traced_decoder_manifest
-
-            manifest = with_export_lineage(traced_decoder_manifest(model, tmp, tokenizer, all_logits), str(checkpoint.path),
-                                           prefill_logits="all" if all_logits else "last")
+        log("exporting the embedding graph")
+        manifest = with_export_lineage(encoder_manifest(model, tmp, tokenizer), str(checkpoint.path))
         if verify:
             log("verifying ONNX Runtime against PyTorch")
-            from llmx.export.verify import verify_export
-
-            manifest.extras["verify"] = verify_export(model, tmp)
-            log(f"verified: max |diff| {manifest.extras['verify']['max_abs_diff']:.2e}")
+            _verify(model, tmp, manifest, log)
         finish(tmp, manifest)
     return manifest
+
+
+def _verify(model, tmp: Path, manifest: Manifest, log: Callable[[str], None]) -> None:
+    from llmx.export.verify import verify_export
+
+    manifest.extras["verify"] = verify_export(model, tmp)
+    log(f"verified: max |diff| {manifest.extras['verify']['max_abs_diff']:.2e}")
 
 
 def _check_options(graphs: str | None, precision: str, block_size: int, verify: bool) -> str:

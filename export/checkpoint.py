@@ -415,7 +415,7 @@ def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor]):
 
     # Parameters are built on the meta device and replaced by the mapped tensors themselves
     # (assign=True): a materialized model would hold a second fp32 copy of every weight.
-    with _parameters_on_meta():
+    with parameters_on_meta():
         model = model_class(spec)
     expected = model.state_dict()
     for name, tensor in weights.items():
@@ -431,7 +431,7 @@ def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor]):
 
 
 @contextlib.contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Modules built inside get meta parameters; buffers (rotary tables) stay real.
 
     Accelerate's ``init_empty_weights`` does the same; ``torch.device("meta")`` would also

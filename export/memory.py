@@ -4,8 +4,9 @@ The estimate runs the same weight rules as the export (``iter_weights``) on meta
 shapes of every llmx weight, combined and transposed, at no cost. Streamed (--graphs fused):
 the largest weight in flight (its fp32 sources and the fp32 result, plus its blocks when
 quantized) and the constants the graphs carry (RoPE tables, the MoE op's expert copies).
-Portable: the whole fp32 model, 1.65x of it at the measured peak (docs/export.md) plus the
-exporter's ~1 GiB.
+Portable decoders stream too (traced on fake weights): the largest weight in flight plus the
+exporter's ~1 GiB. What loads the fp32 model (``--verify``, encoders): 1.65x of it at the
+measured peak (docs/export.md) plus the exporter's ~1 GiB.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ PORTABLE_PEAK = 1.65  # x the fp32 weights: measured, docs/export.md
 EXPORTER_OVERHEAD = 1 * GiB
 
 
-def check_export_fits(checkpoint: Checkpoint, out: str | Path, graphs: str, precision: str, block_size: int) -> None:
+def check_export_fits(checkpoint: Checkpoint, out: str | Path, graphs: str, precision: str, block_size: int,
+                      verify: bool = False) -> None:
     """Refuse an export that would not fit in memory or on disk, naming the flags that would."""
     shapes = weight_shapes(checkpoint)
     if shapes is None:
         return
-    need = export_need(checkpoint, shapes, graphs, precision, block_size)
+    need = export_need(checkpoint, shapes, graphs, precision, block_size, verify)
     options = [("--graphs fused", "fp32"), ("--graphs fused --precision w8", "w8"), ("--precision w4", "w4")]
     alternatives = [(flags, export_need(checkpoint, shapes, "fused", p, block_size)) for flags, p in options
                     if (graphs, precision) != ("fused", p)]
@@ -36,12 +38,14 @@ def check_export_fits(checkpoint: Checkpoint, out: str | Path, graphs: str, prec
 
 
 def export_need(checkpoint: Checkpoint, shapes: list[tuple[str, int, int]], graphs: str, precision: str,
-                block_size: int) -> Need:
+                block_size: int, verify: bool = False) -> Need:
     """``shapes``: (role, elements, source bytes) of every llmx weight."""
     spec = checkpoint.spec
     fp32 = sum(4 * n for _, n, _ in shapes)
-    if graphs == "portable":
+    if graphs == "portable" and (verify or spec.kind == "encoder"):  # the fp32 model is loaded
         return Need(int(PORTABLE_PEAK * fp32) + EXPORTER_OVERHEAD, fp32)
+    if graphs == "portable":  # streamed weights, traced on fake ones
+        return Need(max(source + 4 * n for _, n, source in shapes) + EXPORTER_OVERHEAD, fp32)
     bits = BITS.get(precision)
 
     def stored(role: str, n: int) -> int:
@@ -73,8 +77,8 @@ class _MetaTensors(CheckpointTensors):
     read = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        view = self.where[name].get_slice(name)
-        meta = torch.empty(view.get_shape(), dtype=_DTYPES[view.get_dtype()], device="meta")
+        file = self.where[name]
+        meta = torch.empty(file.shape(name), dtype=file.dtype(name), device="meta")
         self.read += meta.numel() * meta.element_size()
         return meta
 
@@ -82,6 +86,3 @@ class _MetaTensors(CheckpointTensors):
         read, self.read = self.read, 0
         return read
 
-
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}

@@ -3,6 +3,18 @@
 We use torch's dynamo exporter (the default in torch 2.13; the TorchScript exporter is
 deprecated). It keeps parameter names on initializers, which lets both graphs share one
 weights file and lets later stages find weights by name. tests/test_export.py pins this.
+
+The trace needs no weights (``export_streamed``):
+
+    checkpoint --stream_weights--> weights.bin (fp32, one tensor at a time)
+    ModelSpec --Decoder with fake parameters--> torch.export --> ONNX IR (initializers fake)
+        initializers <- weights.bin by name (memory-mapped) --> the exporter's optimizer --> graphs
+
+The parameters are FakeTensors (shapes and dtypes, no storage); the RoPE buffers stay real. The
+exporter's optimizer runs only after every parameter's initializer points into weights.bin, so it
+folds and de-duplicates on the real values, as it does on a loaded model, reading (mapping) only
+the small tensors it folds or compares: the graphs are those ``export_decoder`` makes from a loaded
+model and the weights are the loader's bit for bit (tests/test_streaming.py).
 """
 
 from __future__ import annotations
@@ -10,18 +22,26 @@ from __future__ import annotations
 import logging
 import tempfile
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import onnx_ir as ir
 import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from llmx.export.modules import Decoder, DecodeGraph, PrefillGraph
-from llmx.logits_to_keep import add_to_decode_graph
 from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
+from llmx.errors import ArtifactError
+from llmx.export.checkpoint import Checkpoint, parameters_on_meta
 from llmx.export.manifest import decoder_manifest
+from llmx.export.modules import Decoder, DecodeGraph, PrefillGraph
+from llmx.export.streaming import StreamedWeights, stream_weights
+from llmx.logits_to_keep import add_to_decode_graph
+from llmx.spec import ModelSpec
 from llmx.weight_names import graph_name, model_weights
 
 OPSET = 20
+GRAPHS = ("prefill", "decode")
 
 # Example sizes for tracing: all different and > 1, so no dynamic axis gets specialized.
 _B, _S, _T, _L, _C = 2, 5, 3, 7, 11
@@ -35,10 +55,11 @@ def present_names(num_layers: int) -> list[str]:
     return [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
 
 
-def _export(module: torch.nn.Module, args: tuple, path: Path, inputs, outputs, dynamic_shapes) -> None:
-    with warnings.catch_warnings(), _quiet_exporter():
+def _trace(module: torch.nn.Module, args: tuple, inputs, outputs, dynamic_shapes, optimize: bool = True):
+    """torch.onnx.export's ONNXProgram of ``module`` on ``args`` (the exporter's optimizer run if ``optimize``)."""
+    with warnings.catch_warnings(), _quiet_exporter(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(
+        return torch.onnx.export(
             module,
             args,
             dynamo=True,
@@ -46,9 +67,9 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, inputs, outputs, d
             input_names=inputs,
             output_names=outputs,
             dynamic_shapes=dynamic_shapes,
+            optimize=optimize,
             verbose=False,
         )
-        program.save(str(path), external_data=True)
 
 
 class _quiet_exporter:
@@ -68,59 +89,136 @@ class _quiet_exporter:
         self._redirect.__exit__(*exc)
 
 
-def export_decoder(model: Decoder, out_dir: Path, all_logits: bool = False) -> dict[str, "onnx.ModelProto"]:
-    """Export prefill.onnx and decode.onnx into ``out_dir`` (sharing weights.bin)."""
+def _graph_calls(model: Decoder, all_logits: bool) -> Iterator[tuple[str, torch.nn.Module, tuple, list, list, dict]]:
+    """(graph, module, example args, input names, output names, dynamic shapes) of prefill, then decode."""
     spec = model.spec
     n = spec.num_layers
     kv_shape = (_B, spec.num_kv_heads, _C, spec.head_dim)
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
     new, total, capacity = torch.export.Dim("new_tokens"), torch.export.Dim("total_length"), torch.export.Dim("capacity")
-    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+    ids = torch.randint(0, spec.vocab_size, (_B, _S))
+    mask = torch.ones(_B, _S, dtype=torch.int64)
+    pos = torch.arange(_S).expand(_B, _S).contiguous()
+    by_batch_seq = {0: batch, 1: seq}
+    yield (
+        "prefill",
+        PrefillGraph(model, all_logits),
+        (ids, mask, pos),
+        ["input_ids", "attention_mask", "position_ids"],
+        ["logits", *present_names(n)],
+        {"input_ids": by_batch_seq, "attention_mask": by_batch_seq, "position_ids": by_batch_seq},
+    )
+    past = tuple(torch.zeros(kv_shape) for _ in range(2 * n))
+    ids = torch.randint(0, spec.vocab_size, (_B, _T))
+    mask = torch.ones(_B, _L, dtype=torch.int64)
+    pos = (torch.arange(_T) + _L - _T).expand(_B, _T).contiguous()
+    yield (
+        "decode",
+        DecodeGraph(model),
+        (ids, mask, pos, *past),
+        ["input_ids", "attention_mask", "position_ids", *past_names(n)],
+        ["logits", *present_names(n)],
+        {
+            "input_ids": {0: batch, 1: new},
+            "attention_mask": {0: batch, 1: total},
+            "position_ids": {0: batch, 1: new},
+            "past": tuple({0: batch, 2: capacity} for _ in past),
+        },
+    )
+
+
+def export_decoder(model: Decoder, out_dir: Path, all_logits: bool = False) -> dict[str, "onnx.ModelProto"]:
+    """Export prefill.onnx and decode.onnx of a loaded ``model`` into ``out_dir`` (sharing weights.bin)."""
+    with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        ids = torch.randint(0, spec.vocab_size, (_B, _S))
-        mask = torch.ones(_B, _S, dtype=torch.int64)
-        pos = torch.arange(_S).expand(_B, _S).contiguous()
-        by_batch_seq = {0: batch, 1: seq}
-        _export(
-            PrefillGraph(model, all_logits),
-            (ids, mask, pos),
-            tmp / "prefill.onnx",
-            ["input_ids", "attention_mask", "position_ids"],
-            ["logits", *present_names(n)],
-            {"input_ids": by_batch_seq, "attention_mask": by_batch_seq, "position_ids": by_batch_seq},
-        )
-        past = tuple(torch.zeros(kv_shape) for _ in range(2 * n))
-        ids = torch.randint(0, spec.vocab_size, (_B, _T))
-        mask = torch.ones(_B, _L, dtype=torch.int64)
-        pos = (torch.arange(_T) + _L - _T).expand(_B, _T).contiguous()
-        _export(
-            DecodeGraph(model),
-            (ids, mask, pos, *past),
-            tmp / "decode.onnx",
-            ["input_ids", "attention_mask", "position_ids", *past_names(n)],
-            ["logits", *present_names(n)],
-            {
-                "input_ids": {0: batch, 1: new},
-                "attention_mask": {0: batch, 1: total},
-                "position_ids": {0: batch, 1: new},
-                "past": tuple({0: batch, 2: capacity} for _ in past),
-            },
-        )
-        graphs = {name: load_graph(tmp / f"{name}.onnx") for name in ("prefill", "decode")}
-        for graph in graphs.values():
-            _strip_metadata(graph)
-        # An ONNX post-pass, not a torch input: slicing by a traced scalar is data-dependent
-        # shape that the dynamo exporter refuses.
-        add_to_decode_graph(graphs["decode"], graph_name(model_weights(spec)["lm_head"]))
+        for name, *call in _graph_calls(model, all_logits):
+            _trace(*call).save(str(tmp / f"{name}.onnx"), external_data=True)
+        graphs = {name: load_graph(tmp / f"{name}.onnx") for name in GRAPHS}
+        _finish(graphs, model.spec)
         save_graphs(graphs, out_dir, sources={name: tmp for name in graphs})
     return graphs
 
 
+def export_streamed(spec: ModelSpec, weight_files: list[Path], out_dir: Path, all_logits: bool = False,
+                    log: Callable[[str], None] = lambda msg: None) -> dict[str, "onnx.ModelProto"]:
+    """The graphs ``export_decoder`` writes, traced without loading the model: the weights
+    streamed from ``weight_files`` into ``out_dir``/weights.bin, the trace on fake parameters."""
+    weights = stream_weights(spec, weight_files, out_dir)
+    log("exporting prefill and decode graphs")
+    model = fake_decoder(spec)
+    graphs = {}
+    for name, *call in _graph_calls(model, all_logits):
+        program = _trace(*call, optimize=False)
+        _attach_weights(program.model, weights)
+        with warnings.catch_warnings(), _quiet_exporter():
+            warnings.simplefilter("ignore")
+            program.optimize()  # what torch.onnx.export(optimize=True) runs, now on the real values
+        graphs[name] = ir.serde.serialize_model(program.model)
+        _release(program.model)
+    _finish(graphs, spec)
+    save_graphs(graphs, out_dir, append=True)
+    return graphs
+
+
+def fake_decoder(spec: ModelSpec) -> Decoder:
+    """llmx's Decoder for ``spec`` with FakeTensor parameters (shape and dtype, no storage) and
+    real buffers (the RoPE frequencies, which no checkpoint holds)."""
+    with parameters_on_meta():
+        model = Decoder(spec)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                with mode:
+                    fake = torch.empty(param.shape, dtype=param.dtype)
+                module._parameters[name] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+    return model.eval()
+
+
+def _attach_weights(model: ir.Model, weights: StreamedWeights) -> None:
+    """Point each fake initializer at its streamed tensor (memory-mapped from weights.bin, or inline)."""
+    for name, value in model.graph.initializers.items():
+        if name in weights.tensors:
+            tensor = ir.serde.deserialize_tensor(weights.tensors[name], base_path=str(weights.root))
+            if tuple(tensor.shape) != tuple(value.const_value.shape) or tensor.dtype != value.const_value.dtype:
+                raise ArtifactError(f"internal error: streamed {name} is {tensor.dtype} {tuple(tensor.shape)}, "
+                                    f"the trace's {value.const_value.dtype} {tuple(value.const_value.shape)}")
+            value.const_value = tensor
+        elif isinstance(getattr(value.const_value, "raw", None), FakeTensor):
+            raise ArtifactError(f"internal error: the trace's initializer {name} is no streamed weight")
+
+
+def _release(model: ir.Model) -> None:
+    # Unmap weights.bin: the optimizer mapped the tensors it read.
+    for value in model.graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            value.const_value.release()
+
+
+def _finish(graphs: dict[str, "onnx.ModelProto"], spec: ModelSpec) -> None:
+    for graph in graphs.values():
+        _strip_metadata(graph)
+    # An ONNX post-pass, not a torch input: slicing by a traced scalar is data-dependent
+    # shape that the dynamo exporter refuses.
+    add_to_decode_graph(graphs["decode"], graph_name(model_weights(spec)["lm_head"]))
+
+
 def traced_decoder_manifest(model: Decoder, out_dir: Path, tokenizer: dict, all_logits: bool) -> Manifest:
-    """Trace prefill and decode into ``out_dir``; the decoder artifact's manifest (no lineage yet)."""
+    """Trace prefill and decode of a loaded ``model`` into ``out_dir``; the artifact's manifest (no lineage yet)."""
     export_decoder(model, out_dir, all_logits=all_logits)
-    graphs = {name: describe_graph(load_graph(out_dir / f"{name}.onnx"), f"{name}.onnx") for name in ("prefill", "decode")}
-    return decoder_manifest(model.spec, graphs, tokenizer)
+    return _manifest(model.spec, out_dir, tokenizer)
+
+
+def streamed_decoder_manifest(checkpoint: Checkpoint, out_dir: Path, tokenizer: dict, all_logits: bool,
+                              log: Callable[[str], None] = lambda msg: None) -> Manifest:
+    """Trace prefill and decode with the weights streamed from ``checkpoint``; the manifest (no lineage yet)."""
+    export_streamed(checkpoint.spec, checkpoint.weight_files, out_dir, all_logits=all_logits, log=log)
+    return _manifest(checkpoint.spec, out_dir, tokenizer)
+
+
+def _manifest(spec: ModelSpec, out_dir: Path, tokenizer: dict) -> Manifest:
+    graphs = {name: describe_graph(load_graph(out_dir / f"{name}.onnx"), f"{name}.onnx") for name in GRAPHS}
+    return decoder_manifest(spec, graphs, tokenizer)
 
 
 def _strip_metadata(model) -> None:

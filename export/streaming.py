@@ -3,8 +3,8 @@
     model.safetensors (memory-mapped) --tensor--> rules (export/checkpoint.py) --> fp32 | w8 | w4 --> weights.bin
                                                   q|k|v, gate|up concatenated        (quantize_blocks)
 
-The checkpoint is never loaded: safetensors files are memory-mapped and each llmx weight is
-made from its source tensors only when its turn comes (``iter_weights``), converted, written
+The checkpoint is never loaded: safetensors files are read by their headers, a tensor at a time,
+and each llmx weight is made from its source tensors only when its turn comes (``iter_weights``), converted, written
 and dropped, so what is in memory is one combined weight (a layer's q|k|v, or the embedding
 table) and not the model. What comes back is the ONNX side: an external-data TensorProto per
 weight (name, dtype, dims, offset and length in weights.bin), which the fused graph builder
@@ -13,6 +13,7 @@ reads through the ``WeightSource`` protocol (llmx/fused/weights.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,8 @@ from onnx import numpy_helper
 
 from llmx.artifact.onnx_files import WeightsFile, external_reference
 from llmx.errors import CheckpointError
-from llmx.export.checkpoint import iter_weights
+from llmx.export.checkpoint import iter_weights, parameters_on_meta
+from llmx.export.modules import Decoder
 from llmx.quant_blocks import NBitsWeight, quantize_blocks
 from llmx.spec import ModelSpec
 from llmx.weight_names import graph_name
@@ -46,19 +48,18 @@ class Quantization:
 class CheckpointTensors(Mapping):
     """A checkpoint's tensors by their Hugging Face names, read from disk only when asked for.
 
-    safetensors files are memory-mapped (``safe_open``); ``pytorch_model.bin`` files are
-    opened with ``torch.load(mmap=True)``, whose tensors are mapped, not read, as well.
+    safetensors files are read by their headers, each tensor with a plain read of its bytes
+    (``SafetensorsFile``); ``pytorch_model.bin`` files are opened with ``torch.load(mmap=True)``,
+    whose tensors are mapped, not read.
     """
 
     def __init__(self, files: list[Path]):
-        from safetensors import safe_open
-
         self.where: dict[str, object] = {}
         for file in files:
             try:
                 if file.suffix == ".safetensors":
-                    handle = safe_open(str(file), framework="pt")
-                    self.where.update(dict.fromkeys(handle.keys(), handle))
+                    handle = SafetensorsFile(file)
+                    self.where.update(dict.fromkeys(handle.header, handle))
                 else:
                     self.where.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
             except Exception as exc:  # corrupt files raise many exception types
@@ -66,7 +67,7 @@ class CheckpointTensors(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         source = self.where[name]
-        return source if isinstance(source, torch.Tensor) else source.get_tensor(name)
+        return source if isinstance(source, torch.Tensor) else source.tensor(name)
 
     def __contains__(self, name) -> bool:
         return name in self.where
@@ -76,6 +77,51 @@ class CheckpointTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self.where)
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file: its header (names, dtypes, shapes, offsets) and one tensor per read.
+
+    Each tensor is read into its own buffer rather than viewed in a memory map of the file: the
+    pages of a mapping stay in the process's resident set until it is unmapped, so a streamed
+    export would end holding the whole checkpoint; a read's buffer goes when its tensor does.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= size - 8:
+                raise ValueError(f"header length {length} does not fit a file of {size} bytes")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        self.start, self.header = 8 + length, header
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            if info["dtype"] not in DTYPES or not 0 <= begin <= end <= size - self.start:
+                raise ValueError(f"tensor {name!r}: dtype {info['dtype']} or offsets {begin}-{end} out of range")
+
+    def shape(self, name: str) -> list[int]:
+        return self.header[name]["shape"]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self.header[name]["dtype"]]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        begin, end = self.header[name]["data_offsets"]
+        if begin == end:
+            return torch.empty(self.shape(name), dtype=self.dtype(name))
+        data = bytearray(end - begin)
+        with open(self.path, "rb") as f:
+            f.seek(self.start + begin)
+            if f.readinto(data) != len(data):
+                raise CheckpointError(f"cannot read weights from {self.path.name}: {name!r} is truncated")
+        return torch.frombuffer(data, dtype=self.dtype(name)).reshape(self.shape(name))
+
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @dataclass
@@ -115,8 +161,11 @@ def stream_weights(spec: ModelSpec, files: list[Path], out_dir: Path,
     graph builder to wire the MatMul that ``replace_matmuls`` swaps afterwards.
     """
     out = StreamedWeights(Path(out_dir))
+    shapes = declared_shapes(spec)
     with WeightsFile(out_dir) as data:
         for role, name, tensor in iter_weights(spec, CheckpointTensors(files)):
+            if tuple(tensor.shape) != shapes[name]:
+                raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {shapes[name]}")
             name, array = graph_name(name), tensor.detach().numpy()
             out.tensors[name] = _described(name, array)
             if quantization is None or role not in MATMUL_ROLES:
@@ -129,6 +178,13 @@ def stream_weights(spec: ModelSpec, files: list[Path], out_dir: Path,
                 out.bytes_written += _store(data, stored[-1], values)
             out.quantized[name] = NBitsWeight(blocks.bits, blocks.block_size, array.shape[0], blocks.n, stored)
     return out
+
+
+def declared_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """llmx weight name -> the shape ``spec`` gives it: the decoder's parameters, built on the meta device."""
+    with parameters_on_meta():
+        model = Decoder(spec)
+    return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
 def _described(name: str, array: np.ndarray) -> onnx.TensorProto:

@@ -1,9 +1,12 @@
-"""Streaming export (export/streaming.py, export/fused.py): weights from the memory-mapped checkpoint
-one tensor at a time, fused graphs written directly, w8/w4 quantized on the way.
+"""Streaming export (export/streaming.py, export/fused.py, export/onnx_export.py): weights from the
+memory-mapped checkpoint one tensor at a time, portable graphs traced on fake weights, fused graphs
+written directly, w8/w4 quantized on the way.
 
 Each is held to the path it shortcuts: the streamed weights are bit for bit what the torch
-loader makes (every family); ``export --graphs fused`` is ``export`` + ``optimize`` (same IO and
-manifest sections, logits within 1e-5 over prefill and 16 decode steps, greedy identical);
+loader makes (every family); the default (portable) export is the trace of the loaded model (the
+same nodes, initializers bit for bit; tests/test_parity.py holds every family's streamed artifact
+to transformers); ``export --graphs fused`` is ``export`` + ``optimize`` (same IO and manifest
+sections, logits within 1e-5 over prefill and 16 decode steps, greedy identical);
 ``export --precision w8|w4`` is ``calibrate --no-search`` on that (identical MatMulNBits
 weights, scales and nodes).
 """
@@ -21,7 +24,9 @@ from onnx import numpy_helper
 
 from conftest import VARIANTS
 from llmx.artifact.manifest import load_manifest
-from llmx.export.checkpoint import map_weights, open_checkpoint, read_state_dict
+from llmx.export import checkpoint as checkpoint_module
+from llmx.export.checkpoint import load_model, map_weights, open_checkpoint, read_state_dict
+from llmx.export.onnx_export import GRAPHS, export_decoder
 from llmx.export.streaming import stream_weights
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
@@ -85,6 +90,43 @@ def test_sharded_half_precision_checkpoint_streams_as_loaded(dtype, store, tmp_p
     streamed = _streamed_arrays(checkpoint.spec, checkpoint.weight_files, tmp_path)
     for name, tensor in expected.items():
         np.testing.assert_array_equal(streamed[graph_name(name)], tensor.numpy(), err_msg=name)
+
+
+def _graph(artifact, graph: str) -> list[tuple]:
+    model = onnx.load_model(str(artifact / f"{graph}.onnx"), load_external_data=False)
+    return [(n.op_type, list(n.input), list(n.output), [onnx.helper.get_attribute_value(a) for a in n.attribute])
+            for n in model.graph.node]
+
+
+# Norms of ones (merged by the exporter), folded Gemma norms and soft-caps, learned positions,
+# LongRoPE's two buffers, MoE experts: the cases where a trace could differ from the loaded one's.
+TRACED = ["llama", "gemma2", "gpt2", "phi3", "qwen3_moe-dense-layer"]
+
+
+@pytest.mark.parametrize("variant", TRACED)
+def test_portable_export_is_the_loaded_models_trace(variant, store, tmp_path):
+    """The default export (weights streamed, graphs traced on fake weights) writes what tracing
+    the loaded fp32 model writes: the same nodes and the same initializers, bit for bit."""
+    export_decoder(load_model(open_checkpoint(store.checkpoint(variant))), tmp_path)
+    ours = store.artifact(variant)
+    for graph in GRAPHS:
+        assert _graph(ours, graph) == _graph(tmp_path, graph), graph
+        a, b = _initializers(ours, graph), _initializers(tmp_path, graph)
+        assert sorted(a) == sorted(b), graph
+        for name in a:
+            assert a[name].dtype == b[name].dtype, name
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_portable_export_never_loads_the_model_but_verify_does(store, tmp_path, capsys, monkeypatch):
+    loads = []
+    monkeypatch.setattr(checkpoint_module, "read_state_dict", lambda files: loads.append(files) or read_state_dict(files))
+    code, _, err = run(["export", str(store.checkpoint("llama")), "-o", str(tmp_path / "a")], capsys)
+    assert code == 0, err
+    assert loads == [] and "streaming llama weights" in err
+    code, _, err = run(["export", str(store.checkpoint("llama")), "-o", str(tmp_path / "b"), "--verify"], capsys)
+    assert code == 0, err
+    assert len(loads) == 1 and "loading llama weights" in err and "verified: max |diff|" in err
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -178,7 +220,9 @@ def test_an_export_that_cannot_fit_is_refused_with_the_numbers_and_a_flag_that_f
     shapes = weight_shapes(checkpoint)
     need = {p: export_need(checkpoint, shapes, "fused", p, 32) for p in ("fp32", "w8", "w4")}
     assert need["w4"].disk < need["w8"].disk < need["fp32"].disk
-    assert export_need(checkpoint, shapes, "portable", "fp32", 32).memory > need["fp32"].memory
+    portable = export_need(checkpoint, shapes, "portable", "fp32", 32)
+    assert portable.memory < export_need(checkpoint, shapes, "portable", "fp32", 32, verify=True).memory
+    assert portable.disk == sum(4 * n for _, n, _ in shapes)
 
     def export(name, *flags):
         code, _, err = run(["export", str(store.checkpoint("llama")), "-o", str(tmp_path / name), *flags], capsys)

@@ -43,11 +43,12 @@ def register(cli: click.Group) -> None:
     @cli.command("export")
     @click.argument("checkpoint", type=click.Path(path_type=str))
     @click.option("-o", "--output", required=True, type=click.Path(path_type=str), help="Artifact directory to write.")
-    @click.option("--verify", is_flag=True, help="Run the graphs on ONNX Runtime and compare with PyTorch; fail on mismatch.")
+    @click.option("--verify", is_flag=True, help="Run the graphs on ONNX Runtime and compare with PyTorch; fail on mismatch. "
+                       "Loads the fp32 model (the only option of a decoder's export that does).")
     @click.option("--all-logits", is_flag=True, help="Prefill returns logits for every position (for evaluation), not only the last.")
     @click.option("--graphs", type=click.Choice(["portable", "fused"]), default=None,
-                  help="portable: traced standard ONNX (TensorRT reads it; loads the model). fused: ONNX Runtime's "
-                       "fused graphs (what `llmx optimize` writes), weights streamed a tensor at a time. "
+                  help="portable: traced standard ONNX (TensorRT reads it). fused: ONNX Runtime's fused graphs "
+                       "(what `llmx optimize` writes). Both stream the weights a tensor at a time. "
                        "Default: fused for w8/w4, else portable.")
     @click.option("--precision", default="fp32", show_default=True, metavar="fp32|w8|w4",
                   help="Weights as written: w8/w4 quantize each MatMul weight as it streams past "
@@ -72,9 +73,10 @@ def register(cli: click.Group) -> None:
         types are dequantized to float32 (docs/export.md).
 
         \b
-        --graphs fused never loads the model: the weights go from the memory-mapped
+        A decoder's export never loads the model: the weights go from the memory-mapped
         checkpoint to weights.bin one tensor at a time (--precision w8/w4 quantizes them on
-        the way). Before starting, export checks the memory and disk it will need and stops
+        the way) and the portable graphs are traced on fake (shape-only) weights; --verify
+        loads the fp32 model to compare with it. Before starting, export checks the memory and disk it will need and stops
         with the numbers, and the flags that would fit, if this machine lacks them.
         """
         from llmx.export import export_checkpoint
