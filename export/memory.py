@@ -1,7 +1,7 @@
 """What an export will hold and write, estimated from the checkpoint's headers before it starts.
 
-The estimate runs the same weight rules as the export (``iter_weights``) on meta tensors: the
-shapes of every llmx weight, combined and transposed, at no cost. Streamed (--graphs fused):
+The estimate runs the same weight rules as the export (``iter_weights``) on the header's shapes
+(``_Shape``): the shapes of every llmx weight, combined and transposed, at no cost. Streamed (--graphs fused):
 the largest weight in flight (its fp32 sources and the fp32 result, plus its blocks when
 quantized) and the constants the graphs carry (RoPE tables, the MoE op's expert copies).
 Portable decoders stream too (traced on fake weights): the largest weight in flight plus the
@@ -72,17 +72,70 @@ def weight_shapes(checkpoint: Checkpoint) -> list[tuple[str, int, int]] | None:
 
 
 class _MetaTensors(CheckpointTensors):
-    """A checkpoint's tensors as meta tensors of their shapes and dtypes, counting the bytes asked for."""
+    """A checkpoint's tensors as ``_Shape``s of their header shapes, counting the bytes asked for."""
 
     read = 0
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> "_Shape":
         file = self.where[name]
-        meta = torch.empty(file.shape(name), dtype=file.dtype(name), device="meta")
-        self.read += meta.numel() * meta.element_size()
-        return meta
+        shape = _Shape(file.shape(name))
+        self.read += shape.numel() * file.dtype(name).itemsize
+        return shape
 
     def read_since(self) -> int:
         read, self.read = self.read, 0
         return read
 
+
+class _Shape:
+    """A tensor's shape and nothing else, through what the weight rules do to a tensor.
+
+    Meta tensors would do, but their torch.cat runs torch's Python reference kernels, whose first
+    call imports torch._dynamo (about 4 s here) for an export that never traces (--graphs fused).
+    """
+
+    def __init__(self, shape):
+        self.shape = torch.Size(shape)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        parts, dim = args[0], (kwargs or {}).get("dim", args[1] if len(args) > 1 else 0)
+        if func is torch.cat:
+            shape = list(parts[0].shape)
+            shape[dim] = sum(p.shape[dim] for p in parts)
+            return cls(shape)
+        if func is torch.stack:
+            return cls([len(parts), *parts[0].shape])
+        return NotImplemented
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def to(self, *args, **kwargs) -> "_Shape":
+        return self
+
+    contiguous = clone = to
+    __add__ = __mul__ = __truediv__ = to
+
+    def t(self) -> "_Shape":
+        return _Shape(self.shape[::-1])
+
+    def transpose(self, a: int, b: int) -> "_Shape":
+        shape = list(self.shape)
+        shape[a], shape[b] = shape[b], shape[a]
+        return _Shape(shape)
+
+    def reshape(self, *shape) -> "_Shape":
+        return _Shape(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+
+    def expand(self, *sizes) -> "_Shape":
+        old = [None] * (len(sizes) - len(self.shape)) + list(self.shape)
+        return _Shape([o if s == -1 else s for s, o in zip(sizes, old)])
+
+    def unsqueeze(self, dim: int) -> "_Shape":
+        shape = list(self.shape)
+        shape.insert(dim, 1)
+        return _Shape(shape)

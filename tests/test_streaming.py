@@ -209,6 +209,21 @@ def test_unsupported_options_are_one_error_line(flags, says, store, tmp_path, ca
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_estimate_sees_the_shapes_the_export_streams(variant, store):
+    """The memory estimate runs the weight rules on header shapes (no torch op, no dynamo import)."""
+    from llmx.export.checkpoint import iter_weights
+    from llmx.export.memory import weight_shapes
+    from llmx.export.streaming import CheckpointTensors
+
+    checkpoint = open_checkpoint(store.checkpoint(variant))
+    streamed = [(role, tensor.numel()) for role, _, tensor in iter_weights(checkpoint.spec,
+                                                                          CheckpointTensors(checkpoint.weight_files))]
+    estimated = weight_shapes(checkpoint)
+    assert [(role, n) for role, n, _ in estimated] == streamed
+    assert all(source > 0 for _, _, source in estimated)
+
+
 def test_an_export_that_cannot_fit_is_refused_with_the_numbers_and_a_flag_that_fits(store, tmp_path, capsys,
                                                                                     monkeypatch):
     """Refused before it starts, naming what it needs, what there is and the flags that would fit."""
