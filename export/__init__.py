@@ -7,7 +7,7 @@ Two ways to the graphs (``graphs``):
   weights streamed into weights.bin (export/onnx_export.py ``export_streamed``); the fp32 model is
   loaded only for ``verify``. Encoders (small) are loaded and traced.
 - "fused": ONNX Runtime's fused graphs written from the ModelSpec (what ``llmx optimize``
-  writes) with the weights streamed from the memory-mapped checkpoint one tensor at a time
+  writes) with the weights streamed from the checkpoint one tensor at a time
   (export/fused.py), optionally quantized as they pass (``precision`` w8/w4).
 
 Importing this package is cheap and torch-free; ``export_checkpoint`` pulls in torch.

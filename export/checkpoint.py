@@ -280,8 +280,8 @@ def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> Iterator[tu
     """(role, llmx module name, float32 tensor) of every weight ``spec`` declares: the model's
     weights, then layer by layer, each with the spec's constant factors folded in.
 
-    ``hf`` is read a tensor at a time, only for the weight being made: a lazy mapping (memory-
-    mapped safetensors, export/streaming.py) keeps no more than one combined weight in memory.
+    ``hf`` is read a tensor at a time, only for the weight being made: a lazy mapping (safetensors
+    read by header, export/streaming.py) keeps no more than one combined weight in memory.
     The declaration decides which weights the model has: a rule whose weight the spec lacks is
     skipped, a declared weight no rule produces is an error (a half-added family).
     """

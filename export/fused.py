@@ -4,7 +4,7 @@
     ModelSpec  --build_graph-----> prefill.onnx, decode.onnx (the graphs `llmx optimize` writes)
 
 No torch model and no trace: the graphs come from the ModelSpec (llmx/fused/), the weights
-from the memory-mapped checkpoint one tensor at a time (export/streaming.py). The result is the
+from the checkpoint one tensor at a time (export/streaming.py). The result is the
 artifact ``llmx export`` + ``llmx optimize`` make (and, with ``--precision w8|w4``, + ``llmx
 calibrate --no-search``), without the fp32 model in memory or an fp32 artifact on disk.
 """

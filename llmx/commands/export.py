@@ -73,11 +73,12 @@ def register(cli: click.Group) -> None:
         types are dequantized to float32 (docs/export.md).
 
         \b
-        A decoder's export never loads the model: the weights go from the memory-mapped
-        checkpoint to weights.bin one tensor at a time (--precision w8/w4 quantizes them on
-        the way) and the portable graphs are traced on fake (shape-only) weights; --verify
-        loads the fp32 model to compare with it. Before starting, export checks the memory and disk it will need and stops
-        with the numbers, and the flags that would fit, if this machine lacks them.
+        A decoder's export never loads the model: the weights go from the checkpoint to
+        weights.bin one tensor at a time (--precision w8/w4 quantizes them on the way) and
+        the portable graphs are traced on fake (shape-only) weights; --verify loads the
+        fp32 model to compare with it. Before starting, export checks the memory and disk
+        it will need and stops with the numbers, and the flags that would fit, if this
+        machine lacks them.
         """
         from llmx.export import export_checkpoint
 
