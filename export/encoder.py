@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from llmx.artifact.manifest import Manifest
 from llmx.errors import CheckpointError
 from llmx.export.manifest import FP32
 from llmx.export.modules import MLP, Attention, make_norm
+from llmx.export.tracing import strip_metadata, trace
 from llmx.spec import ModelSpec
 
 POOLING_MODES = ("mean", "cls", "max", "mean_sqrt_len")
@@ -102,7 +102,6 @@ class Encoder(nn.Module):
 
 
 def export_encoder(model: Encoder, out_dir: Path) -> dict:
-    from llmx.export.onnx_export import OPSET, _quiet_exporter, _strip_metadata
     from llmx.artifact.onnx_files import load_graph, save_graphs
 
     batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
@@ -110,16 +109,12 @@ def export_encoder(model: Encoder, out_dir: Path) -> dict:
     mask = torch.ones_like(ids)
     types = torch.zeros_like(ids)
     axes = {0: batch, 1: seq}
-    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), _quiet_exporter():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            model, (ids, mask, types), dynamo=True, opset_version=OPSET,
-            input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=["embeddings"],
-            dynamic_shapes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes}, verbose=False,
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        program = trace(model, (ids, mask, types), ["input_ids", "attention_mask", "token_type_ids"], ["embeddings"],
+                        {"input_ids": axes, "attention_mask": axes, "token_type_ids": axes})
         program.save(str(Path(tmp) / "embed.onnx"), external_data=True)
         graph = load_graph(Path(tmp) / "embed.onnx")
-        _strip_metadata(graph)
+        strip_metadata(graph)
         save_graphs({"embed": graph}, out_dir, sources={"embed": Path(tmp)})
     return {"embed": graph}
 

@@ -19,7 +19,6 @@ model and the weights are the loader's bit for bit (tests/test_streaming.py).
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,11 +35,11 @@ from llmx.export.checkpoint import Checkpoint, parameters_on_meta
 from llmx.export.manifest import decoder_manifest
 from llmx.export.modules import Decoder, DecodeGraph, PrefillGraph
 from llmx.export.streaming import StreamedWeights, stream_weights
+from llmx.export.tracing import quiet_exporter, strip_metadata, trace
 from llmx.logits_to_keep import add_to_decode_graph
 from llmx.spec import ModelSpec
 from llmx.weight_names import graph_name, model_weights
 
-OPSET = 20
 GRAPHS = ("prefill", "decode")
 
 # Example sizes for tracing: all different and > 1, so no dynamic axis gets specialized.
@@ -53,40 +52,6 @@ def past_names(num_layers: int) -> list[str]:
 
 def present_names(num_layers: int) -> list[str]:
     return [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-
-
-def _trace(module: torch.nn.Module, args: tuple, inputs, outputs, dynamic_shapes, optimize: bool = True):
-    """torch.onnx.export's ONNXProgram of ``module`` on ``args`` (the exporter's optimizer run if ``optimize``)."""
-    with warnings.catch_warnings(), _quiet_exporter(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        return torch.onnx.export(
-            module,
-            args,
-            dynamo=True,
-            opset_version=OPSET,
-            input_names=inputs,
-            output_names=outputs,
-            dynamic_shapes=dynamic_shapes,
-            optimize=optimize,
-            verbose=False,
-        )
-
-
-class _quiet_exporter:
-    """The exporter logs progress lines with emoji through logging and print; keep the CLI clean."""
-
-    def __enter__(self):
-        import contextlib
-        import io
-
-        self._redirect = contextlib.redirect_stdout(io.StringIO())
-        self._redirect.__enter__()
-        self._level = logging.getLogger("torch.onnx").level
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-
-    def __exit__(self, *exc):
-        logging.getLogger("torch.onnx").setLevel(self._level)
-        self._redirect.__exit__(*exc)
 
 
 def _graph_calls(model: Decoder, all_logits: bool) -> Iterator[tuple[str, torch.nn.Module, tuple, list, list, dict]]:
@@ -132,7 +97,7 @@ def export_decoder(model: Decoder, out_dir: Path, all_logits: bool = False) -> d
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, *call in _graph_calls(model, all_logits):
-            _trace(*call).save(str(tmp / f"{name}.onnx"), external_data=True)
+            trace(*call).save(str(tmp / f"{name}.onnx"), external_data=True)
         graphs = {name: load_graph(tmp / f"{name}.onnx") for name in GRAPHS}
         _finish(graphs, model.spec)
         save_graphs(graphs, out_dir, sources={name: tmp for name in graphs})
@@ -148,9 +113,9 @@ def export_streamed(spec: ModelSpec, weight_files: list[Path], out_dir: Path, al
     model = fake_decoder(spec)
     graphs = {}
     for name, *call in _graph_calls(model, all_logits):
-        program = _trace(*call, optimize=False)
+        program = trace(*call, optimize=False)
         _attach_weights(program.model, weights)
-        with warnings.catch_warnings(), _quiet_exporter():
+        with warnings.catch_warnings(), quiet_exporter():
             warnings.simplefilter("ignore")
             program.optimize()  # what torch.onnx.export(optimize=True) runs, now on the real values
         graphs[name] = ir.serde.serialize_model(program.model)
@@ -197,7 +162,7 @@ def _release(model: ir.Model) -> None:
 
 def _finish(graphs: dict[str, "onnx.ModelProto"], spec: ModelSpec) -> None:
     for graph in graphs.values():
-        _strip_metadata(graph)
+        strip_metadata(graph)
     # An ONNX post-pass, not a torch input: slicing by a traced scalar is data-dependent
     # shape that the dynamo exporter refuses.
     add_to_decode_graph(graphs["decode"], graph_name(model_weights(spec)["lm_head"]))
@@ -219,11 +184,3 @@ def streamed_decoder_manifest(checkpoint: Checkpoint, out_dir: Path, tokenizer: 
 def _manifest(spec: ModelSpec, out_dir: Path, tokenizer: dict) -> Manifest:
     graphs = {name: describe_graph(load_graph(out_dir / f"{name}.onnx"), f"{name}.onnx") for name in GRAPHS}
     return decoder_manifest(spec, graphs, tokenizer)
-
-
-def _strip_metadata(model) -> None:
-    # The exporter records each node's Python stack trace and module path: large, and it
-    # leaks local file paths into artifacts that get shipped.
-    for node in model.graph.node:
-        del node.metadata_props[:]
-    del model.metadata_props[:]
