@@ -9,9 +9,9 @@ from llmx.calibration.search import SearchSpace
 from llmx.calibration.static import METHODS
 from llmx.calibration.weight_only import check_block_size
 from llmx.errors import InputError
+from llmx.quant_blocks import UNSEARCHED_BLOCK_SIZE, weight_only_precision
 
 SCHEMES = ("w8a8", "w8", "w4")
-UNSEARCHED_BLOCK_SIZE = 32  # no quality gate without the search: the known-safe size (genai's default too)
 KV_CACHE_DTYPES = ("float32", "int8")
 
 
@@ -69,6 +69,4 @@ class CalibrationOptions:
             return Precision(weights="int8", activations="int8", scheme=self.scheme, method=self.method,
                              smoothquant=self.smoothquant, per_channel=self.per_channel, symmetric=True,
                              fallback=list(self.fallback))
-        return Precision(weights="int8" if self.scheme == "w8" else "int4", activations="float32", scheme=self.scheme,
-                         block_size=self.block_size, symmetric=self.symmetric, awq=self.awq,
-                         fallback=list(self.fallback))
+        return weight_only_precision(self.scheme, self.block_size, self.symmetric, self.awq, self.fallback)

@@ -4,7 +4,7 @@ Routing follows transformers: softmax over the router logits, the top-k experts'
 renormalized to sum to 1 when ``norm_topk_prob`` (mixtral always). Every expert runs on every
 token and the outputs are combined with the routing weights, zero for experts not chosen: the
 same sum the reference computes, with static shapes that every ONNX runtime takes (a gather of
-the chosen experts' weights is the fused graph's business, optimize/moe.py).
+the chosen experts' weights is the fused graph's business, llmx/fused/moe.py).
 
 Weights, stacked over experts in the [in, out] layout of llmx's Linear:
     router [H,E]   gate_up [E,H,2I] (gate | up)   down [E,I,H]

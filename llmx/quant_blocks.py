@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmx.artifact.sections import Precision
 from llmx.errors import InputError
 
 BITS = {"w8": 8, "w4": 4}
@@ -139,7 +140,5 @@ def replace_matmuls(model, weights: dict[str, NBitsWeight], accuracy_level: int)
 def weight_only_precision(scheme: str, block_size: int, symmetric: bool, awq: bool = False,
                           fallback: list[str] | tuple[str, ...] = ()):
     """The manifest's ``precision`` section of a w8/w4 (MatMulNBits) artifact."""
-    from llmx.artifact.sections import Precision
-
     return Precision(weights="int8" if scheme == "w8" else "int4", activations="float32", scheme=scheme,
                      block_size=block_size, symmetric=symmetric, awq=awq, fallback=list(fallback))

@@ -3,7 +3,7 @@
 llmx's torch modules (export/modules.py, export/encoder.py) name their parameters this way,
 export/checkpoint.py maps a Hugging Face checkpoint's tensors onto these roles, the exported
 graphs' initializers carry the names (under ``GRAPH_PREFIX``, the attribute the graph wrappers
-hold the model in), and optimize/decoder.py finds its weights by them. A weight is declared
+hold the model in), and llmx/fused/decoder.py finds its weights by them. A weight is declared
 with the spec feature it belongs to, so a family that has the feature has the weight in every
 stage, and the loader refuses a checkpoint that lacks it. tests/test_weight_names.py holds the
 modules and the exported graphs to this declaration for every family.

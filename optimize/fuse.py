@@ -18,7 +18,7 @@ from llmx.artifact.onnx_files import describe_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
 from llmx.errors import ArtifactError, InputError
 from llmx.spec import ModelSpec
-from llmx.optimize.decoder import ACTIVATIONS, build_graph, check_supported
+from llmx.fused.decoder import ACTIVATIONS, build_graph, check_supported
 from llmx.optimize.weights import SourceWeights
 
 GRAPHS = ("prefill", "decode")

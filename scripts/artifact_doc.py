@@ -76,7 +76,7 @@ Every stage reads an artifact and writes a new one; the manifest is all they sha
 
 **The handle.** `Artifact.open(path)` reads and checks the manifest once and returns the handle:
 `.root` (the directory), `.manifest`, `.file(rel)` (a file the manifest names, through
-`artifact_file`), `.graph(name)` and `.graph_path(name)`, `.graph_bytes()` (each graph's bytes on
+`artifact_file`; `.existing_file(rel)` also refuses a missing one), `.graph(name)` and `.graph_path(name)`, `.graph_bytes()` (each graph's bytes on
 disk with its external tensors), `.size_bytes()` and `.changed_files()` (checksum mismatches).
 A stage takes an `Artifact` and writes a new one with `staged_artifact` + `finish`;
 `Artifact.of(x)` accepts a path or a handle at library entry points.
