@@ -33,7 +33,7 @@ from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
 from llmx.artifact.tensorrt import BuildLimits, TensorRTRecord
-from llmx.engine.precision import convert_graph, qdq_summary
+from llmx.low_precision import convert_graph, qdq_summary
 from llmx.engine.trt_profiles import EngineSpec, engine_specs
 from llmx.engine.trt_records import check_precision_supported, find_calibration_table
 from llmx.errors import ArtifactError, InputError

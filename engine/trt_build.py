@@ -5,7 +5,7 @@
       -> EngineFromNetwork(..., save_timing_cache) -> SaveEngine
 
 TensorRT 11 has no precision flags: the network is strongly typed and precision comes from
-the graph (engine/precision.py, Q/DQ). On TensorRT 10 the same strongly typed build is
+the graph (llmx/low_precision.py, Q/DQ). On TensorRT 10 the same strongly typed build is
 used, except for INT8 from a calibration table, which is TensorRT 10's weakly typed mode
 (INT8 + FP16 flags, per-tensor dynamic ranges set from the table).
 

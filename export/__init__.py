@@ -23,7 +23,8 @@ from llmx.errors import InputError
 from llmx.quant_blocks import BITS, UNSEARCHED_BLOCK_SIZE, check_block_size
 
 GRAPH_KINDS = ("portable", "fused")
-PRECISIONS = ("fp32", "w8", "w4")
+PRECISIONS = ("fp32", "fp16", "bf16", "w8", "w4")
+LOW_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
 
 def export_checkpoint(
@@ -65,6 +66,9 @@ def export_checkpoint(
 
         if graphs == "fused":
             raise InputError("--graphs fused is for decoders; an encoder exports portable graphs")
+        if precision != "fp32":
+            raise InputError(f"--precision {precision} is for decoders; an encoder exports fp32 "
+                             "(`llmx calibrate` quantizes it)")
         for key, value in read_sentence_config(checkpoint.path).items():
             setattr(spec, key, value)
     check_export_fits(checkpoint, out, graphs, precision, block_size, verify)
@@ -88,11 +92,17 @@ def export_checkpoint(
             log(f"loading {weights}")
             model = load_model(checkpoint)
         else:
-            log(f"streaming {weights}")
+            log(f"streaming {weights}" + (f" as {precision}" if precision != "fp32" else ""))
         with staged_artifact(out, overwrite=force) as tmp:
             tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
-            manifest = with_export_lineage(streamed_decoder_manifest(checkpoint, tmp, tokenizer, all_logits, log),
-                                           str(checkpoint.path), prefill_logits="all" if all_logits else "last")
+            low_dtype = LOW_DTYPES.get(precision)
+            details = dict(prefill_logits="all" if all_logits else "last")
+            if low_dtype:
+                details.update(precision=precision, lowered="weights stored in " + low_dtype + " as they streamed "
+                               "past; graphs lowered as `llmx build` lowers (norms, softmax, position math fp32)")
+            manifest = with_export_lineage(streamed_decoder_manifest(checkpoint, tmp, tokenizer, all_logits, log,
+                                                                     low_dtype=low_dtype),
+                                           str(checkpoint.path), **details)
             if model is not None:
                 log("verifying ONNX Runtime against PyTorch")
                 _verify(model, tmp, manifest, log)
@@ -124,11 +134,17 @@ def _verify(model, tmp: Path, manifest: Manifest, log: Callable[[str], None]) ->
 def _check_options(graphs: str | None, precision: str, block_size: int, verify: bool) -> str:
     """The graph kind to write; refuses a combination before anything is read."""
     if precision not in PRECISIONS:
-        raise InputError(f"--precision {precision} is not supported; use one of {', '.join(PRECISIONS)} "
-                         "(fp16/bf16 artifacts: `llmx build --precision` lowers for GPUs)")
+        raise InputError(f"--precision {precision} is not supported; use one of {', '.join(PRECISIONS)}")
     graphs = graphs or ("fused" if precision in BITS else "portable")
     if graphs not in GRAPH_KINDS:
         raise InputError(f"--graphs must be one of {', '.join(GRAPH_KINDS)}, got {graphs!r}")
+    if precision in LOW_DTYPES:
+        if graphs == "fused":
+            raise InputError(f"--precision {precision} writes portable graphs (for GPUs: `llmx build`, --backend "
+                             "ort-cuda); ONNX Runtime's fused CPU kernels compute in fp32: use --graphs portable")
+        if verify:
+            raise InputError(f"--verify checks fp32 graphs against PyTorch to 1e-4, which {precision} cannot meet; "
+                             "export fp32 to verify")
     if precision in BITS:
         check_block_size(block_size)
         if graphs == "portable":

@@ -20,6 +20,7 @@ from llmx.export.streaming import MATMUL_ROLES, CheckpointTensors
 from llmx.memory_budget import GiB, Need, check_fits
 from llmx.quant_blocks import BITS
 
+LOW_BYTES = {"fp16": 2, "bf16": 2}
 PORTABLE_PEAK = 1.65  # x the fp32 weights: measured, docs/export.md
 EXPORTER_OVERHEAD = 1 * GiB
 
@@ -31,9 +32,10 @@ def check_export_fits(checkpoint: Checkpoint, out: str | Path, graphs: str, prec
     if shapes is None:
         return
     need = export_need(checkpoint, shapes, graphs, precision, block_size, verify)
-    options = [("--graphs fused", "fp32"), ("--graphs fused --precision w8", "w8"), ("--precision w4", "w4")]
-    alternatives = [(flags, export_need(checkpoint, shapes, "fused", p, block_size)) for flags, p in options
-                    if (graphs, precision) != ("fused", p)]
+    options = [("fused", "--graphs fused", "fp32"), ("portable", "--precision fp16", "fp16"),
+               ("fused", "--graphs fused --precision w8", "w8"), ("fused", "--precision w4", "w4")]
+    alternatives = [(flags, export_need(checkpoint, shapes, kind, p, block_size)) for kind, flags, p in options
+                    if (graphs, precision) != (kind, p)]
     check_fits(f"exporting {checkpoint.path.name} ({graphs}, {precision})", need, out, alternatives)
 
 
@@ -45,7 +47,10 @@ def export_need(checkpoint: Checkpoint, shapes: list[tuple[str, int, int]], grap
     if graphs == "portable" and (verify or spec.kind == "encoder"):  # the fp32 model is loaded
         return Need(int(PORTABLE_PEAK * fp32) + EXPORTER_OVERHEAD, fp32)
     if graphs == "portable":  # streamed weights, traced on fake ones
-        return Need(max(source + 4 * n for _, n, source in shapes) + EXPORTER_OVERHEAD, fp32)
+        width = LOW_BYTES.get(precision, 4)  # fp16/bf16: the fp32 weight and its lowered copy in flight
+        disk = sum((width if _is_matrix(role) else 4) * n for role, n, _ in shapes)
+        in_flight = max(source + 4 * n + (width * n if width != 4 else 0) for _, n, source in shapes)
+        return Need(in_flight + EXPORTER_OVERHEAD, disk)
     bits = BITS.get(precision)
 
     def stored(role: str, n: int) -> int:
@@ -57,6 +62,11 @@ def export_need(checkpoint: Checkpoint, shapes: list[tuple[str, int, int]], grap
     rope = 4 * 4 * spec.max_position_embeddings * spec.head_dim  # cos, sin (and LongRoPE's second set), two graphs
     experts = sum(4 * n for role, n, _ in shapes if role.startswith("experts_"))  # the MoE op's re-laid copies
     return Need(in_flight + rope + experts, sum(stored(role, n) for role, n, _ in shapes) + rope + experts)
+
+
+def _is_matrix(role: str) -> bool:
+    # Lowered exports store weights of rank >= 2 in 16 bits; norms and biases (mostly rank 1) stay fp32.
+    return not role.endswith(("norm", "bias"))
 
 
 def weight_shapes(checkpoint: Checkpoint) -> list[tuple[str, int, int]] | None:

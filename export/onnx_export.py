@@ -19,6 +19,7 @@ model and the weights are the loader's bit for bit (tests/test_streaming.py).
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -105,10 +106,15 @@ def export_decoder(model: Decoder, out_dir: Path, all_logits: bool = False) -> d
 
 
 def export_streamed(spec: ModelSpec, weight_files: list[Path], out_dir: Path, all_logits: bool = False,
-                    log: Callable[[str], None] = lambda msg: None) -> dict[str, "onnx.ModelProto"]:
+                    log: Callable[[str], None] = lambda msg: None, low_dtype: str | None = None) -> dict[str, "onnx.ModelProto"]:
     """The graphs ``export_decoder`` writes, traced without loading the model: the weights
-    streamed from ``weight_files`` into ``out_dir``/weights.bin, the trace on fake parameters."""
-    weights = stream_weights(spec, weight_files, out_dir)
+    streamed from ``weight_files`` into ``out_dir``/weights.bin, the trace on fake parameters.
+
+    ``low_dtype`` (float16 | bfloat16): the graphs ``llmx build`` would lower the fp32 ones to
+    (llmx/low_precision.py), with the weights stored in that dtype as they stream past, so no
+    fp32 copy of them is ever written.
+    """
+    weights = stream_weights(spec, weight_files, out_dir, low_dtype=low_dtype)
     log("exporting prefill and decode graphs")
     model = fake_decoder(spec)
     graphs = {}
@@ -118,9 +124,16 @@ def export_streamed(spec: ModelSpec, weight_files: list[Path], out_dir: Path, al
         with warnings.catch_warnings(), quiet_exporter():
             warnings.simplefilter("ignore")
             program.optimize()  # what torch.onnx.export(optimize=True) runs, now on the real values
+        _detach_lowered(program.model, weights)
         graphs[name] = ir.serde.serialize_model(program.model)
         _release(program.model)
     _finish(graphs, spec)
+    if low_dtype is not None:
+        from llmx.low_precision import convert_graph
+
+        for name, graph in graphs.items():
+            log(f"lowering the {name} graph to {low_dtype} (norms, softmax and position math stay float32)")
+            convert_graph(graph, low_dtype, base_dir=out_dir, lowered=weights.lowered)
     save_graphs(graphs, out_dir, append=True)
     return graphs
 
@@ -141,9 +154,14 @@ def fake_decoder(spec: ModelSpec) -> Decoder:
 
 
 def _attach_weights(model: ir.Model, weights: StreamedWeights) -> None:
-    """Point each fake initializer at its streamed tensor (memory-mapped from weights.bin, or inline)."""
+    """Point each fake initializer at its streamed tensor (memory-mapped from weights.bin, or
+    inline); a weight stored lowered is read back as float32 only if the optimizer asks for it."""
     for name, value in model.graph.initializers.items():
-        if name in weights.tensors:
+        if name in weights.lowered:
+            stored = ir.serde.deserialize_tensor(weights.lowered[name], base_path=str(weights.root))
+            tensor = ir.LazyTensor(lambda stored=stored: ir.Tensor(stored.numpy().astype("float32")),
+                                   ir.DataType.FLOAT, stored.shape, name=name)
+        elif name in weights.tensors:
             tensor = ir.serde.deserialize_tensor(weights.tensors[name], base_path=str(weights.root))
             if tuple(tensor.shape) != tuple(value.const_value.shape) or tensor.dtype != value.const_value.dtype:
                 raise ArtifactError(f"internal error: streamed {name} is {tensor.dtype} {tuple(tensor.shape)}, "
@@ -151,6 +169,15 @@ def _attach_weights(model: ir.Model, weights: StreamedWeights) -> None:
             value.const_value = tensor
         elif isinstance(getattr(value.const_value, "raw", None), FakeTensor):
             raise ArtifactError(f"internal error: the trace's initializer {name} is no streamed weight")
+
+
+def _detach_lowered(model: ir.Model, weights: StreamedWeights) -> None:
+    """Lowered weights leave the graph as data-less float32 references, which the lowering pass
+    replaces with the stored ones: serializing their float32 view would write the whole model."""
+    for name, value in model.graph.initializers.items():
+        if name in weights.lowered:
+            value.const_value = ir.ExternalTensor(f"{name}.not-written", 0, 0, ir.DataType.FLOAT,
+                                                  shape=value.const_value.shape, name=name)
 
 
 def _release(model: ir.Model) -> None:
@@ -175,10 +202,17 @@ def traced_decoder_manifest(model: Decoder, out_dir: Path, tokenizer: dict, all_
 
 
 def streamed_decoder_manifest(checkpoint: Checkpoint, out_dir: Path, tokenizer: dict, all_logits: bool,
-                              log: Callable[[str], None] = lambda msg: None) -> Manifest:
+                              log: Callable[[str], None] = lambda msg: None, low_dtype: str | None = None) -> Manifest:
     """Trace prefill and decode with the weights streamed from ``checkpoint``; the manifest (no lineage yet)."""
-    export_streamed(checkpoint.spec, checkpoint.weight_files, out_dir, all_logits=all_logits, log=log)
-    return _manifest(checkpoint.spec, out_dir, tokenizer)
+    export_streamed(checkpoint.spec, checkpoint.weight_files, out_dir, all_logits=all_logits, log=log,
+                    low_dtype=low_dtype)
+    manifest = _manifest(checkpoint.spec, out_dir, tokenizer)
+    if low_dtype is None:
+        return manifest
+    # What `llmx build --precision fp16|bf16` records for the graphs it lowers.
+    return dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, dtype=low_dtype),
+                               precision=dataclasses.replace(manifest.precision, weights=low_dtype,
+                                                             activations=low_dtype, compute_dtype=low_dtype))
 
 
 def _manifest(spec: ModelSpec, out_dir: Path, tokenizer: dict) -> Manifest:

@@ -112,12 +112,12 @@ class SafetensorsFile:
         begin, end = self.header[name]["data_offsets"]
         if begin == end:
             return torch.empty(self.shape(name), dtype=self.dtype(name))
-        data = bytearray(end - begin)
+        data = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled, as a bytearray would be
         with open(self.path, "rb") as f:
             f.seek(self.start + begin)
-            if f.readinto(data) != len(data):
+            if f.readinto(data.numpy()) != end - begin:
                 raise CheckpointError(f"cannot read weights from {self.path.name}: {name!r} is truncated")
-        return torch.frombuffer(data, dtype=self.dtype(name)).reshape(self.shape(name))
+        return data.view(self.dtype(name)).reshape(self.shape(name))
 
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -135,6 +135,7 @@ class StreamedWeights:
     root: Path
     tensors: dict[str, onnx.TensorProto] = field(default_factory=dict)  # graph name -> external fp32 tensor
     quantized: dict[str, NBitsWeight] = field(default_factory=dict)  # graph name -> its MatMulNBits tensors
+    lowered: dict[str, onnx.TensorProto] = field(default_factory=dict)  # graph name -> stored fp16/bf16 tensor
     bytes_written: int = 0
 
     def get(self, name: str) -> onnx.TensorProto:
@@ -152,21 +153,33 @@ class StreamedWeights:
         return self.tensors.get(name)
 
 
-def stream_weights(spec: ModelSpec, files: list[Path], out_dir: Path,
-                   quantization: Quantization | None = None) -> StreamedWeights:
+def stream_weights(spec: ModelSpec, files: list[Path], out_dir: Path, quantization: Quantization | None = None,
+                   low_dtype: str | None = None) -> StreamedWeights:
     """Write every weight of ``spec`` from checkpoint ``files`` to ``out_dir``/weights.bin, one at a time.
 
     With ``quantization`` the MatMul weights are stored as MatMulNBits blocks instead of fp32;
     their fp32 entry in ``tensors`` then describes the weight (name, dims) without data, for the
-    graph builder to wire the MatMul that ``replace_matmuls`` swaps afterwards.
+    graph builder to wire the MatMul that ``replace_matmuls`` swaps afterwards. With ``low_dtype``
+    (float16 | bfloat16) every weight of rank >= 2 is stored in that dtype, rounded as
+    llmx/low_precision.py rounds a graph's weights (``lowered``), and its fp32 entry in
+    ``tensors`` likewise describes it without data.
     """
+    if quantization is not None and low_dtype is not None:
+        raise ValueError("weights are either quantized or lowered, not both")
     out = StreamedWeights(Path(out_dir))
     shapes = declared_shapes(spec)
-    with WeightsFile(out_dir) as data:
+    with WeightsFile(out_dir, background=True) as data:
         for role, name, tensor in iter_weights(spec, CheckpointTensors(files)):
             if tuple(tensor.shape) != shapes[name]:
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {shapes[name]}")
-            name, array = graph_name(name), tensor.detach().numpy()
+            name = graph_name(name)
+            if low_dtype is not None and tensor.dim() >= 2:
+                out.tensors[name] = _described(name, np.empty(0, np.float32), tensor.shape)
+                low = to_low_dtype(tensor, low_dtype)
+                out.lowered[name] = _described(name, low)
+                out.bytes_written += _store(data, out.lowered[name], low)
+                continue
+            array = tensor.detach().numpy()
             out.tensors[name] = _described(name, array)
             if quantization is None or role not in MATMUL_ROLES:
                 out.bytes_written += _store(data, out.tensors[name], array)
@@ -187,10 +200,24 @@ def declared_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
 
 
-def _described(name: str, array: np.ndarray) -> onnx.TensorProto:
+def to_low_dtype(tensor: torch.Tensor, dtype: str) -> np.ndarray:
+    """An fp32 weight in float16 or bfloat16, clamped to the dtype's finite range first (as
+    llmx/low_precision.py lowers a graph's weights: a value past fp16's 65504 becomes the largest
+    finite one, not inf); round to nearest even, as numpy's and ml_dtypes' casts do."""
+    import ml_dtypes  # an onnx dependency; numpy has no bfloat16
+
+    low = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).max)
+    lowered = tensor.to(torch.float32).clamp(-limit, limit).to(low)
+    if dtype == "float16":
+        return lowered.numpy()
+    return lowered.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def _described(name: str, array: np.ndarray, shape: tuple[int, ...] | None = None) -> onnx.TensorProto:
     proto = onnx.TensorProto()
     proto.name, proto.data_type = name, onnx.helper.np_dtype_to_tensor_dtype(array.dtype)
-    proto.dims.extend(array.shape)
+    proto.dims.extend(array.shape if shape is None else shape)
     return proto
 
 

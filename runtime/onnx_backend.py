@@ -105,6 +105,9 @@ class OrtBackend:
             raise LlmxError(f"the {provider} provider needs device-resident KV buffers; use --backend ort-cpu here")
         self.artifact = artifact
         self.manifest = manifest = artifact.manifest
+        if "bfloat16" in (manifest.precision.compute_dtype, manifest.kv.dtype):
+            raise InputError("this artifact computes in bfloat16, which ONNX Runtime's CPU provider has no kernels for; "
+                             "run it on a GPU (--backend ort-cuda, or `llmx build`), or export --precision fp16 or fp32")
         if low_memory and manifest.precision.scheme:
             # MatMulNBits and the int8 kernels compute from their packed weights only: measured 20x
             # slower decode without them, for a third less memory.

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from llmx.errors import ArtifactError
-from llmx.engine.precision import KEEP_FP32, convert_graph, float_dtypes, qdq_summary
+from llmx.low_precision import KEEP_FP32, convert_graph, float_dtypes, qdq_summary
 
 
 def converted(artifact, name: str, dtype: str):

@@ -8,6 +8,8 @@ Large tensors start on 64 KiB boundaries so ONNX Runtime can memory-map them.
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ IR_VERSION = 10  # ONNX Runtime 1.2x-1.31 and TensorRT 10 read it; onnx 1.23 wou
 WEIGHTS_FILE = "weights.bin"
 _INLINE_LIMIT = 1024  # bytes: smaller tensors stay inside the graph
 _ALIGN_LARGE, _ALIGN = 1 << 16, 64
+_QUEUED = 2  # tensors waiting for the background writer: bounds what a streamed export holds
 
 
 def _onnx():
@@ -43,28 +46,64 @@ class WeightsFile:
 
     Through ``store`` a tensor of the same name and content is stored once; large tensors start
     on 64 KiB boundaries (ONNX Runtime memory-maps them), small ones on 64 bytes.
+
+    With ``background`` the writes happen on a thread of their own (at most ``_QUEUED`` tensors
+    waiting), so a streamed export converts or quantizes the next weight while the disk takes
+    the last one; offsets are known at ``append`` time either way.
     """
 
     inline_limit = _INLINE_LIMIT
 
-    def __init__(self, out_dir: Path, mode: str = "wb"):
+    def __init__(self, out_dir: Path, mode: str = "wb", background: bool = False):
         self.file = open(Path(out_dir) / WEIGHTS_FILE, mode)
         self.file.seek(0, 2)
+        self.position = self.file.tell()
         self.written: dict[tuple[str, str], tuple[int, int]] = {}
+        self._queue: queue.Queue | None = None
+        self._error: BaseException | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=_QUEUED)
+            self._writer = threading.Thread(target=self._write_queued, name="weights.bin writer", daemon=True)
+            self._writer.start()
 
     def __enter__(self) -> "WeightsFile":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.file.close()
+        try:
+            if self._queue is not None:
+                self._queue.put(None)
+                self._writer.join()
+                self._raise_writer_error()
+        finally:
+            self.file.close()
 
     def append(self, raw: bytes | memoryview) -> tuple[int, int]:
         """Write ``raw`` at the next aligned offset; returns (offset, length)."""
         align = _ALIGN_LARGE if len(raw) >= (1 << 20) else _ALIGN
-        self.file.write(b"\0" * (-self.file.tell() % align))
-        offset = self.file.tell()
-        self.file.write(raw)
+        padding = -self.position % align
+        offset = self.position + padding
+        self.position = offset + len(raw)
+        if self._queue is None:
+            self.file.write(b"\0" * padding)
+            self.file.write(raw)
+        else:
+            self._raise_writer_error()
+            self._queue.put((padding, raw))
         return offset, len(raw)
+
+    def _write_queued(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self.file.write(b"\0" * item[0])
+                    self.file.write(item[1])
+                except BaseException as exc:  # raised in the exporting thread at its next append or at close
+                    self._error = exc
+
+    def _raise_writer_error(self) -> None:
+        if self._error is not None:
+            raise self._error
 
     def store(self, init, raw: bytes | memoryview) -> None:
         """Make initializer ``init`` hold ``raw``: inline if small, else a reference into this file."""

@@ -50,9 +50,11 @@ def register(cli: click.Group) -> None:
                   help="portable: traced standard ONNX (TensorRT reads it). fused: ONNX Runtime's fused graphs "
                        "(what `llmx optimize` writes). Both stream the weights a tensor at a time. "
                        "Default: fused for w8/w4, else portable.")
-    @click.option("--precision", default="fp32", show_default=True, metavar="fp32|w8|w4",
+    @click.option("--precision", default="fp32", show_default=True, metavar="fp32|fp16|bf16|w8|w4",
                   help="Weights as written: w8/w4 quantize each MatMul weight as it streams past "
-                       "(calibrate --no-search's blocks; no quality report).")
+                       "(calibrate --no-search's blocks; no quality report); fp16/bf16 store weights in "
+                       "16 bits and lower the portable graphs as `llmx build` does (for GPUs; on CPU, "
+                       "ONNX Runtime computes them in fp32).")
     @click.option("--block-size", type=int, default=UNSEARCHED_BLOCK_SIZE, show_default=True,
                   help="w8/w4: input channels per scale (a power of two, at least 16).")
     @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
@@ -74,7 +76,8 @@ def register(cli: click.Group) -> None:
 
         \b
         A decoder's export never loads the model: the weights go from the checkpoint to
-        weights.bin one tensor at a time (--precision w8/w4 quantizes them on the way) and
+        weights.bin one tensor at a time (--precision w8/w4 quantizes them on the way,
+        fp16/bf16 rounds them) and
         the portable graphs are traced on fake (shape-only) weights; --verify loads the
         fp32 model to compare with it. Before starting, export checks the memory and disk
         it will need and stops with the numbers, and the flags that would fit, if this

@@ -1,5 +1,6 @@
-"""fp16 / bf16 graphs for engines: one pass that lowers the ONNX graph's dtypes and keeps the
-numerically fragile parts in fp32.
+"""fp16 / bf16 graphs: one pass that lowers the ONNX graph's dtypes and keeps the numerically
+fragile parts in fp32. Used by ``llmx build`` (an fp32 artifact's graphs, for engines) and by
+``llmx export --precision fp16|bf16`` (the traced graphs, their weights streamed already lowered).
 
 TensorRT 11 builds only strongly typed networks (precision comes from tensor dtypes, not
 builder flags), so an fp16 engine needs an fp16 graph. ONNX Runtime's ``float16`` converter
@@ -25,6 +26,7 @@ A Cast is inserted where an fp32 value meets a low-precision node or the reverse
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +67,7 @@ class _Pass:
     elem: dict[str, int] = field(default_factory=dict)
     converted: dict[tuple[str, str], str] = field(default_factory=dict)
     nodes: list = field(default_factory=list)
+    stored_low: dict = field(default_factory=dict)  # weight name -> its TensorProto, already in the low dtype
 
     def __post_init__(self):
         onnx = _onnx()
@@ -115,10 +118,13 @@ def _finfo_max(dtype) -> float:
     return float(ml_dtypes.finfo(dtype).max)
 
 
-def convert_graph(model, dtype: str, base_dir: str | Path | None = None, fp32_outputs: tuple[str, ...] = ("logits",)):
+def convert_graph(model, dtype: str, base_dir: str | Path | None = None, fp32_outputs: tuple[str, ...] = ("logits",),
+                  lowered: Mapping[str, "onnx.TensorProto"] | None = None):
     """Lower ``model``'s float compute to ``dtype`` in place (see the module docstring); returns it.
 
-    ``base_dir`` is where external weights live (graphs loaded without their data).
+    ``base_dir`` is where external weights live (graphs loaded without their data). ``lowered``
+    gives weights already stored in ``dtype`` (a streamed export wrote them so): they replace
+    the graph's float32 initializers of those names, whose data is then never read.
     """
     onnx = _onnx()
     if dtype not in LOW_DTYPES:
@@ -126,7 +132,7 @@ def convert_graph(model, dtype: str, base_dir: str | Path | None = None, fp32_ou
     bad = sorted({n.op_type for n in model.graph.node} & CONTROL_FLOW)
     if bad:
         raise ArtifactError(f"cannot convert a graph with control flow ({', '.join(bad)}) to {dtype}")
-    p = _Pass(model, dtype, Path(base_dir) if base_dir else None)
+    p = _Pass(model, dtype, Path(base_dir) if base_dir else None, stored_low=dict(lowered or {}))
     _constants_to_initializers(p)
     _collect_types(p)
     _seed_states(p)
@@ -181,7 +187,13 @@ def _seed_states(p: _Pass) -> None:
     for init in list(p.model.graph.initializer):
         if init.data_type != p.FLOAT:
             continue
-        if len(init.dims) >= 2:
+        if init.name in p.stored_low:
+            stored = p.stored_low[init.name]
+            if tuple(stored.dims) != tuple(init.dims) or stored.data_type != p.LOW:
+                raise ArtifactError(f"internal error: the stored {init.name} does not match the graph's weight")
+            init.CopyFrom(stored)
+            p.states[init.name] = LOW
+        elif len(init.dims) >= 2:
             new = onnx.numpy_helper.from_array(p.lowered(p.array(init.name)), init.name)
             init.CopyFrom(new)
             p.states[init.name] = LOW
