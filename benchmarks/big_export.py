@@ -48,7 +48,12 @@ LLAMA31_8B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden
                                 "original_max_position_embeddings": 8192}, hidden_act="silu")
 SHAPES = {"tinyllama-1.1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
                                  **TINYLLAMA_1B),
-          "qwen3-4b": QWEN3_4B, "llama3.1-8b": LLAMA31_8B}
+          "qwen3-4b": QWEN3_4B, "llama3.1-8b": LLAMA31_8B,
+          # not a real model: a seconds-long smoke test of the benchmark scripts themselves
+          "tiny": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
+                       max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       tie_word_embeddings=False, hidden_act="silu")}
 SHAPE = SHAPES["tinyllama-1.1b"]  # set by --shape
 
 

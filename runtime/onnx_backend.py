@@ -18,6 +18,7 @@ from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.runtime import huge_pages
 from llmx.runtime.cpu_plan import physical_cores, plan_threads
 from llmx.runtime.kv_cache import KVCache
+from llmx.runtime.load_memory import check_load_fits
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 
 PROVIDERS = {
@@ -114,6 +115,7 @@ class OrtBackend:
             raise InputError(f"--low-memory applies to unquantized artifacts; this one is "
                              f"{manifest.precision.scheme} (its kernels need their packed weights)")
         self.low_memory = low_memory
+        check_load_fits(artifact, low_memory)
         # None: decided from the cores free now (runtime/cpu_plan.py); the plan is kept for bench/serve to report.
         self.cpu_plan = plan_threads(threads, spin)
         self._ort_provider, self._optimization = PROVIDERS[provider], optimization

@@ -302,3 +302,20 @@ def test_an_export_that_cannot_fit_is_refused_with_the_numbers_and_a_flag_that_f
     monkeypatch.setattr(memory_budget, "free_disk", lambda path: 0)
     code, line = export("d", "--precision", "w4")
     assert code == 1 and "no option of this command fits" in line
+
+
+def test_an_artifact_too_big_to_load_is_refused_before_onnx_runtime_starts(store, capsys, monkeypatch):
+    """The sessions' own allocations (packed weights; fp32 copies of an fp16 artifact) against
+    MemAvailable: one line with the numbers and what would fit, before any session is made."""
+    from llmx import memory_budget
+    from llmx.artifact.handle import Artifact
+    from llmx.runtime.load_memory import load_need
+
+    artifact = Artifact.open(store.artifact("llama"))
+    need, lean = load_need(artifact, low_memory=False), load_need(artifact, low_memory=True)
+    assert lean < need
+    monkeypatch.setattr(memory_budget, "available_memory", lambda: lean)
+    code, _, err = run(["generate", str(store.artifact("llama")), "hi", "--max-new-tokens", "2"], capsys)
+    assert code != 0 and "of memory beyond its mapped weights" in error_line(err) and "--low-memory would fit" in error_line(err)
+    code, _, err = run(["generate", str(store.artifact("llama")), "hi", "--max-new-tokens", "2", "--low-memory"], capsys)
+    assert code == 0, err

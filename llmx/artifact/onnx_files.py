@@ -21,6 +21,7 @@ WEIGHTS_FILE = "weights.bin"
 _INLINE_LIMIT = 1024  # bytes: smaller tensors stay inside the graph
 _ALIGN_LARGE, _ALIGN = 1 << 16, 64
 _QUEUED = 2  # tensors waiting for the background writer: bounds what a streamed export holds
+_QUEUED_BYTES = 256 << 20  # larger ones (an 8B model's 2 GB embedding) are written in the exporting thread
 
 
 def _onnx():
@@ -84,7 +85,10 @@ class WeightsFile:
         padding = -self.position % align
         offset = self.position + padding
         self.position = offset + len(raw)
-        if self._queue is None:
+        if self._queue is not None and len(raw) > _QUEUED_BYTES:
+            self._queue.join()  # the writer is idle: a tensor this big is written now, not held while the next is made
+        if self._queue is None or len(raw) > _QUEUED_BYTES:
+            self._raise_writer_error()
             self.file.write(b"\0" * padding)
             self.file.write(raw)
         else:
@@ -100,6 +104,7 @@ class WeightsFile:
                     self.file.write(item[1])
                 except BaseException as exc:  # raised in the exporting thread at its next append or at close
                     self._error = exc
+            self._queue.task_done()
 
     def _raise_writer_error(self) -> None:
         if self._error is not None:

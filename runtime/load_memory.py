@@ -1,0 +1,55 @@
+"""Will an artifact load? The memory ONNX Runtime's CPU provider takes beyond the mapped file,
+checked before the sessions are made, so an artifact too big for the box ends in one line with
+numbers, not in the kernel's OOM killer.
+
+weights.bin is memory-mapped: its clean pages can always be dropped again, so they do not count.
+What counts is the memory the sessions allocate for themselves:
+
+- MatMul weights are copied into packed layouts (fp32 SGEMM panels, MatMulNBits' int4/int8
+  blocks): about the stored size once (the decode session; prefill loads lazily), none under
+  --low-memory (fp32 only), where the kernels read the mapped file;
+- an fp16 artifact has no CPU kernels: ONNX Runtime inserts casts to fp32 and folds them into
+  fp32 copies of the weights (twice the stored size), which are then packed.
+The KV cache and activations of one request come on top (``WORKING_SET``).
+"""
+
+from __future__ import annotations
+
+from llmx.artifact.handle import Artifact
+from llmx import memory_budget
+from llmx.memory_budget import GiB, ResourceError, gib
+
+WORKING_SET = GiB // 2
+
+
+def load_need(artifact: Artifact, low_memory: bool) -> int:
+    """Bytes the CPU sessions of ``artifact`` will allocate (estimate, see the module docstring)."""
+    manifest = artifact.manifest
+    stored = sum(artifact.file(rel).stat().st_size for rel in
+                 {rel for g in manifest.graphs.values() for rel in (g.external_data or [])} if artifact.file(rel).is_file())
+    if manifest.precision.compute_dtype == "float16" or manifest.precision.weights == "float16":
+        factor = 3.0  # the fp32 copies (2x) and their packed panels (about as much again, then the copies go)
+    elif low_memory:
+        factor = 0.0
+    else:
+        factor = 1.0
+    return int(factor * stored) + WORKING_SET
+
+
+def check_load_fits(artifact: Artifact, low_memory: bool) -> None:
+    """Raise ResourceError if loading ``artifact`` would need more memory than is available."""
+    need, available = load_need(artifact, low_memory), memory_budget.available_memory()
+    if need <= available:
+        return
+    manifest = artifact.manifest
+    if manifest.precision.weights == "float16":
+        hint = "fp16 artifacts are for GPUs (--backend ort-cuda); export --precision w4 (or fp32) for this CPU"
+    elif manifest.precision.scheme:
+        hint = "free memory (other processes hold it) or use a machine with more"
+    elif not low_memory and load_need(artifact, True) <= available:
+        hint = "--low-memory would fit (the kernels read the mapped weights)"
+    else:
+        hint = "export --precision w4 (or `llmx calibrate --scheme w4`) for an artifact a quarter of the size"
+    raise ResourceError(f"loading {artifact.root.name} needs about {gib(need)} of memory beyond its mapped weights, "
+                        f"{gib(available)} available; {hint}")
+
