@@ -1,7 +1,7 @@
 """Exporting a big checkpoint: peak RSS and wall time of `llmx export`.
 
-    python benchmarks/big_export.py [--shape tinyllama-1.1b|qwen3-4b|llama3.1-8b] [--graphs fused]
-                                    [--precision fp32|w8|w4] [--work DIR] [--keep] [--gguf Q8_0]
+    python benchmarks/big_export.py [--shape smollm-135m|tinyllama-1.1b|qwen3-4b|llama3.1-8b] [--graphs fused]
+                                    [--precision fp32|fp16|bf16|w8|w4] [--work DIR] [--keep] [--gguf Q8_0]
 
 ``--shape`` picks the checkpoint (default the TinyLlama-1.1B shape below; qwen3-4b: 36 layers,
 hidden 2560, q/k norms, tied head, vocab 151936; llama3.1-8b: 32 layers, hidden 4096, 8 KV
@@ -34,7 +34,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from smollm_shape import TINYLLAMA_1_1B as TINYLLAMA_1B, write_tokenizer  # noqa: E402
+from smollm_shape import SMOLLM_135M, TINYLLAMA_1_1B as TINYLLAMA_1B, write_tokenizer  # noqa: E402
 
 LAYERS_PER_SHARD = 2
 QWEN3_4B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2560, intermediate_size=9728,
@@ -46,7 +46,8 @@ LLAMA31_8B = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden
                   max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 8192}, hidden_act="silu")
-SHAPES = {"tinyllama-1.1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+SHAPES = {"smollm-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", **SMOLLM_135M),
+          "tinyllama-1.1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
                                  **TINYLLAMA_1B),
           "qwen3-4b": QWEN3_4B, "llama3.1-8b": LLAMA31_8B,
           # not a real model: a seconds-long smoke test of the benchmark scripts themselves
@@ -222,7 +223,7 @@ def main() -> None:
     parser.add_argument("--gguf", metavar="TYPE", help="export a GGUF of the checkpoint instead (Q8_0, Q4_0, F32, ...)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
     parser.add_argument("--graphs", choices=["portable", "fused"])
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "w8", "w4"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "w8", "w4"])
     args = parser.parse_args()
     global SHAPE
     SHAPE = SHAPES[args.shape]

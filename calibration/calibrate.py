@@ -33,6 +33,8 @@ from llmx.calibration.pipeline import Progress, silent
 from llmx.calibration.report import measure, write_report
 from llmx.calibration.search import TargetNotMetError, apply, format_search, run_search
 from llmx.errors import ArtifactError, InputError
+from llmx import memory_budget
+from llmx.memory_budget import GiB, gib
 from llmx.runtime.tokenizer import Tokenizer
 
 
@@ -46,6 +48,7 @@ def calibrate_artifact(src: str | Path | Artifact, out: str | Path, data: str | 
         options = replace(options, block_size=UNSEARCHED_BLOCK_SIZE)
     source = Artifact.of(src)
     check_unquantized(source)
+    check_calibration_fits(source, out, options)
     encoder = source.manifest.kind == "encoder"
     if encoder:
         if options.kv_cache != "float32":
@@ -151,6 +154,27 @@ def load_windows(source: Artifact, data, eval_data, options: CalibrationOptions)
                           options.eval_samples, held_out, source=str(data))
     record.update(windows=len(split.calibration), seq_len=split.seq_len)
     return split, record
+
+
+# Calibration holds the fp32 graphs with their weights (the quantizer works on in-memory
+# models), the quantized copy and ONNX Runtime's sessions for the quality report: a Qwen3-4B
+# artifact (16 GB of weights) was killed at 24.2 GB by `--scheme w4 --no-search` (issue 33).
+CALIBRATE_PEAK = 1.6  # x the fp32 weights, at least: the measured kill
+
+
+def check_calibration_fits(source: Artifact, out: str | Path, options: CalibrationOptions) -> None:
+    """Refuse, before reading anything, a calibration that cannot fit in memory, naming the
+    streaming export that writes the same --no-search blocks of a weight-only scheme."""
+    need = int(CALIBRATE_PEAK * source.size_bytes()) + GiB
+    available = memory_budget.available_memory()
+    if need <= available:
+        return
+    hint = "free memory (other processes hold it) or use a machine with more"
+    if options.scheme in ("w8", "w4") and source.manifest.kind == "decoder":
+        hint = (f"`llmx export CHECKPOINT -o DIR --precision {options.scheme}` writes the round-to-nearest blocks of "
+                "--no-search streaming the checkpoint a tensor at a time (no fp32 artifact, a few GiB)")
+    raise memory_budget.ResourceError(f"calibrating {source.root.name} ({options.label}) needs about {gib(need)} of "
+                                      f"memory, {gib(available)} available; {hint}")
 
 
 def check_unquantized(source: Artifact) -> None:

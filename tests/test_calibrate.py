@@ -438,3 +438,18 @@ def test_already_quantized_artifact_is_refused(quantized, calib_text, tmp_path, 
                         "-o", str(tmp_path / "again")], capsys)
     assert code != 0 and "already quantized (w4)" in error_line(err)
     assert leftovers(tmp_path) == []
+
+
+def test_a_calibration_that_cannot_fit_is_refused_naming_the_streaming_export(store, calib_text, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Checked before anything is read: the memory it needs against MemAvailable, one line, and
+    for a weight-only scheme the export that streams the same blocks instead."""
+    from llmx import memory_budget
+
+    artifact = store.artifact("llama")  # built before the machine "runs out"
+    monkeypatch.setattr(memory_budget, "available_memory", lambda: 1 << 20)
+    code, _, err = run(["calibrate", str(artifact), "--data", str(calib_text), "--scheme", "w4",
+                        "--no-search", "-o", str(tmp_path / "q")], capsys)
+    line = error_line(err)
+    assert code != 0 and "of memory, 0.0 GiB available" in line and "--precision w4" in line
+    assert leftovers(tmp_path) == []
