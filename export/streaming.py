@@ -172,25 +172,32 @@ def stream_weights(spec: ModelSpec, files: list[Path], out_dir: Path, quantizati
         for role, name, tensor in iter_weights(spec, CheckpointTensors(files)):
             if tuple(tensor.shape) != shapes[name]:
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {shapes[name]}")
-            name = graph_name(name)
-            if low_dtype is not None and tensor.dim() >= 2:
-                out.tensors[name] = _described(name, np.empty(0, np.float32), tensor.shape)
-                low = to_low_dtype(tensor, low_dtype)
-                out.lowered[name] = _described(name, low)
-                out.bytes_written += _store(data, out.lowered[name], low)
-                continue
-            array = tensor.detach().numpy()
-            out.tensors[name] = _described(name, array)
-            if quantization is None or role not in MATMUL_ROLES:
-                out.bytes_written += _store(data, out.tensors[name], array)
-                continue
-            blocks = quantize_blocks(array, quantization.bits, quantization.block_size, quantization.symmetric)
-            stored = []
-            for tensor_name, values in blocks.arrays(name):
-                stored.append(_described(tensor_name, values))
-                out.bytes_written += _store(data, stored[-1], values)
-            out.quantized[name] = NBitsWeight(blocks.bits, blocks.block_size, array.shape[0], blocks.n, stored)
+            _write_weight(out, data, role, graph_name(name), tensor, quantization, low_dtype)
+            # Dropped before the generator makes the next weight: an 8B model's embedding (2.1 GB
+            # in fp32) would otherwise still be held while its 128256-row head is made.
+            del tensor
     return out
+
+
+def _write_weight(out: StreamedWeights, data: WeightsFile, role: str, name: str, tensor: torch.Tensor,
+                  quantization: Quantization | None, low_dtype: str | None) -> None:
+    if low_dtype is not None and tensor.dim() >= 2:
+        out.tensors[name] = _described(name, np.empty(0, np.float32), tensor.shape)
+        low = to_low_dtype(tensor, low_dtype)
+        out.lowered[name] = _described(name, low)
+        out.bytes_written += _store(data, out.lowered[name], low)
+        return
+    array = tensor.detach().numpy()
+    out.tensors[name] = _described(name, array)
+    if quantization is None or role not in MATMUL_ROLES:
+        out.bytes_written += _store(data, out.tensors[name], array)
+        return
+    blocks = quantize_blocks(array, quantization.bits, quantization.block_size, quantization.symmetric)
+    stored = []
+    for tensor_name, values in blocks.arrays(name):
+        stored.append(_described(tensor_name, values))
+        out.bytes_written += _store(data, stored[-1], values)
+    out.quantized[name] = NBitsWeight(blocks.bits, blocks.block_size, array.shape[0], blocks.n, stored)
 
 
 def declared_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -198,6 +205,9 @@ def declared_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     with parameters_on_meta():
         model = Decoder(spec)
     return {name: tuple(param.shape) for name, param in model.named_parameters()}
+
+
+_LOWER_BLOCK = 1 << 24  # elements lowered per step (64 MiB of fp32)
 
 
 def to_low_dtype(tensor: torch.Tensor, dtype: str) -> np.ndarray:
@@ -208,7 +218,11 @@ def to_low_dtype(tensor: torch.Tensor, dtype: str) -> np.ndarray:
 
     low = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     limit = float(ml_dtypes.finfo(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).max)
-    lowered = tensor.to(torch.float32).clamp(-limit, limit).to(low)
+    lowered = torch.empty(tensor.shape, dtype=low)
+    # A row block at a time: the clamped fp32 copy of a whole 2 GB table would sit beside it.
+    step = max(1, _LOWER_BLOCK // max(1, tensor[0].numel()))
+    for start in range(0, tensor.shape[0], step):
+        lowered[start:start + step] = tensor[start:start + step].to(torch.float32).clamp(-limit, limit).to(low)
     if dtype == "float16":
         return lowered.numpy()
     return lowered.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
