@@ -197,8 +197,15 @@ def test_quantized_export_is_calibrate_no_search(variant, scheme, block, store, 
     assert max(np.abs(x - y).max() for x, y in zip(ours_logits, their_logits)) <= PORTABLE_TOL
 
 
-@pytest.mark.parametrize("variant,precision", [("llama", "fp16"), ("llama", "bf16"), ("gemma2", "fp16")])
-def test_half_precision_export_is_builds_lowering_of_the_fp32_export(variant, precision, store, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def half(store):
+    """precision -> `llmx export --precision fp16|bf16` of the llama checkpoint."""
+    return lambda precision: store.once(f"half/{precision}", lambda path: _export(store.checkpoint("llama"), path,
+                                                                                 "--precision", precision))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_half_precision_export_is_builds_lowering_of_the_fp32_export(precision, half, store, capsys):
     """``export --precision fp16|bf16`` writes what ``llmx build`` lowers the fp32 artifact to
     (llmx/low_precision.py): the same nodes, the same initializers bit for bit, the same
     manifest sections, with the weights streamed lowered (weights.bin about half the fp32 one's)."""
@@ -206,38 +213,32 @@ def test_half_precision_export_is_builds_lowering_of_the_fp32_export(variant, pr
     from llmx.low_precision import convert_graph
 
     dtype = {"fp16": "float16", "bf16": "bfloat16"}[precision]
-    code, _, err = run(["export", str(store.checkpoint(variant)), "-o", str(tmp_path / "low"), "--precision", precision],
-                       capsys)
-    assert code == 0, err
-    fp32 = store.artifact(variant)
+    low, fp32 = half(precision), store.artifact("llama")
     for graph in GRAPHS:
         expected = convert_graph(onnx.load_model(str(fp32 / f"{graph}.onnx")), dtype)
-        ours = load_graph(tmp_path / "low" / f"{graph}.onnx")
+        ours = load_graph(low / f"{graph}.onnx")
         assert [(n.op_type, list(n.input), list(n.output)) for n in ours.graph.node] == \
                [(n.op_type, list(n.input), list(n.output)) for n in expected.graph.node], graph
-        a = _initializers(tmp_path / "low", graph)
+        a = _initializers(low, graph)
         b = {t.name: numpy_helper.to_array(t) for t in expected.graph.initializer}
         assert sorted(a) == sorted(b), graph
         for name in a:
             assert a[name].dtype == b[name].dtype, name
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    manifest = load_manifest(tmp_path / "low")
+    manifest = load_manifest(low)
     assert manifest.kv.dtype == dtype and manifest.precision.weights == dtype
     assert manifest.stage_applied("export").details["precision"] == precision
     size = lambda art: (art / "weights.bin").stat().st_size  # noqa: E731
-    assert 0.45 < size(tmp_path / "low") / size(fp32) < 0.55
+    assert 0.45 < size(low) / size(fp32) < 0.55
     if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 kernels: said before it tries
-        code, _, err = run(["generate", str(tmp_path / "low"), "hi", "--max-new-tokens", "2"], capsys)
+        code, _, err = run(["generate", str(low), "hi", "--max-new-tokens", "2"], capsys)
         assert code != 0 and "no kernels for" in error_line(err) and "ort-cuda" in error_line(err)
 
 
-def test_fp16_export_runs_on_cpu_close_to_fp32(store, tmp_path, capsys):
+def test_fp16_export_runs_on_cpu_close_to_fp32(half, store):
     """ONNX Runtime's CPU provider computes fp16 graphs in fp32 (it inserts the casts): the
     artifact runs, and its logits stay within fp16 rounding of the fp32 artifact's."""
-    code, _, err = run(["export", str(store.checkpoint("llama")), "-o", str(tmp_path / "f16"), "--precision", "fp16"],
-                       capsys)
-    assert code == 0, err
-    a, b = Engine.load(tmp_path / "f16", threads=1), Engine.load(store.artifact("llama"), threads=1)
+    a, b = Engine.load(half("fp16"), threads=1), Engine.load(store.artifact("llama"), threads=1)
     (low, _), (full, _) = (steps(e.backend, e.encode(PROMPTS[0]), 4) for e in (a, b))
     scale = max(np.abs(x).max() for x in full)
     assert max(np.abs(x - y).max() for x, y in zip(low, full)) <= 2e-2 * scale
