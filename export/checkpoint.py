@@ -462,8 +462,25 @@ def parameters_on_meta():
             param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
+    # The modules' own initialisation (normal_, kaiming_uniform_, ...) is skipped on meta
+    # parameters: their values are never read, and torch runs these ops on meta tensors through
+    # Python reference kernels whose first call imports torch._dynamo (~2 s of a fused export that
+    # never traces).
+    initializers = {name: getattr(torch.nn.init, name) for name in _INITIALIZERS}
+
+    def unless_meta(initialize):
+        return lambda tensor, *args, **kwargs: tensor if tensor.is_meta else initialize(tensor, *args, **kwargs)
+
     torch.nn.Module.register_parameter = on_meta
+    for name, initialize in initializers.items():
+        setattr(torch.nn.init, name, unless_meta(initialize))
     try:
         yield
     finally:
         torch.nn.Module.register_parameter = register
+        for name, initialize in initializers.items():
+            setattr(torch.nn.init, name, initialize)
+
+
+_INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")

@@ -320,3 +320,17 @@ def test_an_artifact_too_big_to_load_is_refused_before_onnx_runtime_starts(store
     assert code != 0 and "of memory beyond its mapped weights" in error_line(err) and "--low-memory would fit" in error_line(err)
     code, _, err = run(["generate", str(store.artifact("llama")), "hi", "--max-new-tokens", "2", "--low-memory"], capsys)
     assert code == 0, err
+
+
+def test_declaring_the_weights_never_imports_dynamo(store):
+    """The fused export's start: building the Decoder on meta parameters (their shapes) skips the
+    modules' initialisers, whose meta kernels would import torch._dynamo (~2 s) for nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from llmx.export.checkpoint import open_checkpoint; "
+            "from llmx.export.streaming import declared_shapes; "
+            f"shapes = declared_shapes(open_checkpoint({str(store.checkpoint('llama'))!r}).spec); "
+            "print(len(shapes), 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) > 0 and out[1] == "False"
