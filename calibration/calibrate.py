@@ -33,8 +33,7 @@ from llmx.calibration.pipeline import Progress, silent
 from llmx.calibration.report import measure, write_report
 from llmx.calibration.search import TargetNotMetError, apply, format_search, run_search
 from llmx.errors import ArtifactError, InputError
-from llmx import memory_budget
-from llmx.memory_budget import GiB, gib
+from llmx.memory_budget import GiB, Need, check_fits
 from llmx.runtime.tokenizer import Tokenizer
 
 
@@ -165,16 +164,12 @@ CALIBRATE_PEAK = 1.6  # x the fp32 weights, at least: the measured kill
 def check_calibration_fits(source: Artifact, out: str | Path, options: CalibrationOptions) -> None:
     """Refuse, before reading anything, a calibration that cannot fit in memory, naming the
     streaming export that writes the same --no-search blocks of a weight-only scheme."""
-    need = int(CALIBRATE_PEAK * source.size_bytes()) + GiB
-    available = memory_budget.available_memory()
-    if need <= available:
-        return
     hint = "free memory (other processes hold it) or use a machine with more"
     if options.scheme in ("w8", "w4") and source.manifest.kind == "decoder":
         hint = (f"`llmx export CHECKPOINT -o DIR --precision {options.scheme}` writes the round-to-nearest blocks of "
                 "--no-search streaming the checkpoint a tensor at a time (no fp32 artifact, a few GiB)")
-    raise memory_budget.ResourceError(f"calibrating {source.root.name} ({options.label}) needs about {gib(need)} of "
-                                      f"memory, {gib(available)} available; {hint}")
+    need = Need(int(CALIBRATE_PEAK * source.size_bytes()) + GiB, 0)  # memory only: the output is smaller than the source
+    check_fits(f"calibrating {source.root.name} ({options.label})", need, out, hint=hint)
 
 
 def check_unquantized(source: Artifact) -> None:

@@ -33,7 +33,7 @@ from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer, finish, staged_artifact
 from llmx.artifact.tensorrt import BuildLimits, TensorRTRecord
-from llmx.low_precision import convert_graph, qdq_summary
+from llmx.low_precision import convert_graph, lowered_precision, qdq_summary
 from llmx.engine.trt_profiles import EngineSpec, engine_specs
 from llmx.engine.trt_records import check_precision_supported, find_calibration_table
 from llmx.errors import ArtifactError, InputError
@@ -178,9 +178,7 @@ def _write_graphs(src: Artifact, tmp: Path, plan: BuildPlan, log) -> Manifest:
     described = {name: describe_graph(load_graph(tmp / spec.file), spec.file, spec.ops) for name, spec in manifest.graphs.items()}
     precision = manifest.precision
     if plan.convert_to:
-        if not plan.int8_source:
-            precision = dataclasses.replace(precision, weights=plan.convert_to, activations=plan.convert_to)
-        precision = dataclasses.replace(precision, compute_dtype=plan.convert_to)  # what non-quantized math runs in
+        precision = lowered_precision(precision, plan.convert_to, weights=not plan.int8_source)
     return dataclasses.replace(
         manifest, graphs=described, kv=dataclasses.replace(manifest.kv, dtype=plan.kv_dtype), precision=precision,
         tensorrt=None, extras=dict(manifest.extras), checksums={},

@@ -38,6 +38,7 @@ from llmx.export.modules import Decoder, DecodeGraph, PrefillGraph
 from llmx.export.streaming import StreamedWeights, stream_weights
 from llmx.export.tracing import quiet_exporter, strip_metadata, trace
 from llmx.logits_to_keep import add_to_decode_graph
+from llmx.low_precision import convert_graph, lowered_precision
 from llmx.spec import ModelSpec
 from llmx.weight_names import graph_name, model_weights
 
@@ -129,8 +130,6 @@ def export_streamed(spec: ModelSpec, weight_files: list[Path], out_dir: Path, al
         _release(program.model)
     _finish(graphs, spec)
     if low_dtype is not None:
-        from llmx.low_precision import convert_graph
-
         for name, graph in graphs.items():
             log(f"lowering the {name} graph to {low_dtype} (norms, softmax and position math stay float32)")
             convert_graph(graph, low_dtype, base_dir=out_dir, lowered=weights.lowered)
@@ -211,8 +210,7 @@ def streamed_decoder_manifest(checkpoint: Checkpoint, out_dir: Path, tokenizer: 
         return manifest
     # What `llmx build --precision fp16|bf16` records for the graphs it lowers.
     return dataclasses.replace(manifest, kv=dataclasses.replace(manifest.kv, dtype=low_dtype),
-                               precision=dataclasses.replace(manifest.precision, weights=low_dtype,
-                                                             activations=low_dtype, compute_dtype=low_dtype))
+                               precision=lowered_precision(manifest.precision, low_dtype))
 
 
 def _manifest(spec: ModelSpec, out_dir: Path, tokenizer: dict) -> Manifest:

@@ -222,7 +222,7 @@ def to_low_dtype(tensor: torch.Tensor, dtype: str) -> np.ndarray:
     # A row block at a time: the clamped fp32 copy of a whole 2 GB table would sit beside it.
     step = max(1, _LOWER_BLOCK // max(1, tensor[0].numel()))
     for start in range(0, tensor.shape[0], step):
-        lowered[start:start + step] = tensor[start:start + step].to(torch.float32).clamp(-limit, limit).to(low)
+        lowered[start:start + step] = tensor[start:start + step].clamp(-limit, limit).to(low)
     if dtype == "float16":
         return lowered.numpy()
     return lowered.view(torch.int16).numpy().view(ml_dtypes.bfloat16)

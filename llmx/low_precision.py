@@ -26,6 +26,7 @@ A Cast is inserted where an fp32 value meets a low-precision node or the reverse
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,6 +276,15 @@ def _drop_unused_initializers(model) -> None:
     keep = [i for i in model.graph.initializer if i.name in used]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
+
+
+def lowered_precision(precision, dtype: str, weights: bool = True):
+    """The manifest's ``precision`` section once ``convert_graph`` lowered the graphs to ``dtype``:
+    the float math runs in it and, unless they stay int8 Q/DQ (``weights`` False), so do the
+    weights and activations."""
+    if weights:
+        precision = dataclasses.replace(precision, weights=dtype, activations=dtype)
+    return dataclasses.replace(precision, compute_dtype=dtype)
 
 
 # -- reading what a graph holds ---------------------------------------------------------------

@@ -42,9 +42,10 @@ def free_disk(path: str | Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_fits(stage: str, need: Need, out: str | Path, alternatives: list[tuple[str, Need]] = ()) -> None:
+def check_fits(stage: str, need: Need, out: str | Path, alternatives: list[tuple[str, Need]] = (),
+               hint: str | None = None) -> None:
     """Raise ResourceError, naming the first of ``alternatives`` (flags, their need) that would
-    fit, if ``need`` exceeds the available memory or the free disk at ``out``."""
+    fit, or else ``hint``, if ``need`` exceeds the available memory or the free disk at ``out``."""
     memory, disk = available_memory(), free_disk(out)
     if need.memory <= memory and need.disk <= disk:
         return
@@ -54,9 +55,10 @@ def check_fits(stage: str, need: Need, out: str | Path, alternatives: list[tuple
     if need.disk > disk:
         short.append(f"about {gib(need.disk)} of disk at {out}, {gib(disk)} free")
     fits = next(((flags, n) for flags, n in alternatives if n.memory <= memory and n.disk <= disk), None)
-    hint = (f"; {fits[0]} would fit (about {gib(fits[1].memory)} of memory, {gib(fits[1].disk)} of disk)"
-            if fits else "; no option of this command fits: free memory or disk, or use a bigger machine")
-    raise ResourceError(f"{stage} needs {' and '.join(short)}{hint}")
+    if fits:
+        hint = f"{fits[0]} would fit (about {gib(fits[1].memory)} of memory, {gib(fits[1].disk)} of disk)"
+    raise ResourceError(f"{stage} needs {' and '.join(short)}; "
+                        f"{hint or 'no option of this command fits: free memory or disk, or use a bigger machine'}")
 
 
 def gib(n: int) -> str:

@@ -24,10 +24,8 @@ WORKING_SET = GiB // 2
 
 def load_need(artifact: Artifact, low_memory: bool) -> int:
     """Bytes the CPU sessions of ``artifact`` will allocate (estimate, see the module docstring)."""
-    manifest = artifact.manifest
-    stored = sum(artifact.file(rel).stat().st_size for rel in
-                 {rel for g in manifest.graphs.values() for rel in (g.external_data or [])} if artifact.file(rel).is_file())
-    if manifest.precision.compute_dtype == "float16" or manifest.precision.weights == "float16":
+    stored = sum(path.stat().st_size for path in map(artifact.file, artifact.external_data_files()) if path.is_file())
+    if _fp16(artifact):
         factor = 3.0  # the fp32 copies (2x) and their packed panels (about as much again, then the copies go)
     elif low_memory:
         factor = 0.0
@@ -36,15 +34,19 @@ def load_need(artifact: Artifact, low_memory: bool) -> int:
     return int(factor * stored) + WORKING_SET
 
 
+def _fp16(artifact: Artifact) -> bool:
+    precision = artifact.manifest.precision
+    return "float16" in (precision.compute_dtype, precision.weights)
+
+
 def check_load_fits(artifact: Artifact, low_memory: bool) -> None:
     """Raise ResourceError if loading ``artifact`` would need more memory than is available."""
     need, available = load_need(artifact, low_memory), memory_budget.available_memory()
     if need <= available:
         return
-    manifest = artifact.manifest
-    if manifest.precision.weights == "float16":
+    if _fp16(artifact):
         hint = "fp16 artifacts are for GPUs (--backend ort-cuda); export --precision w4 (or fp32) for this CPU"
-    elif manifest.precision.scheme:
+    elif artifact.manifest.precision.scheme:
         hint = "free memory (other processes hold it) or use a machine with more"
     elif not low_memory and load_need(artifact, True) <= available:
         hint = "--low-memory would fit (the kernels read the mapped weights)"

@@ -75,9 +75,8 @@ class _MappedFiles:
     """
 
     def __init__(self, artifact: Artifact):
-        names = sorted({rel for g in artifact.manifest.graphs.values() for rel in (g.external_data or [])})
         self.files = {}
-        for rel in names:
+        for rel in artifact.external_data_files():
             fd = os.open(artifact.file(rel, "external_data"), os.O_RDONLY)
             self.files[rel] = (fd, os.fstat(fd).st_size)
 

@@ -53,6 +53,10 @@ class Artifact:
     def graph_path(self, name: str) -> Path:
         return self.file(self.graph(name).file, f"graphs.{name}.file")
 
+    def external_data_files(self) -> list[str]:
+        """The weights files (relative paths) the graphs reference, each once."""
+        return sorted({rel for g in self.manifest.graphs.values() for rel in (g.external_data or [])})
+
     def graph_bytes(self) -> dict[str, int]:
         """Bytes each graph needs on disk: its .onnx file plus the external tensors it references."""
         from llmx.artifact.onnx_files import load_graph  # needs the onnx package, which the edge runtime lacks

@@ -85,14 +85,14 @@ class WeightsFile:
         padding = -self.position % align
         offset = self.position + padding
         self.position = offset + len(raw)
-        if self._queue is not None and len(raw) > _QUEUED_BYTES:
+        now = self._queue is None or len(raw) > _QUEUED_BYTES
+        if now and self._queue is not None:
             self._queue.join()  # the writer is idle: a tensor this big is written now, not held while the next is made
-        if self._queue is None or len(raw) > _QUEUED_BYTES:
-            self._raise_writer_error()
+        self._raise_writer_error()
+        if now:
             self.file.write(b"\0" * padding)
             self.file.write(raw)
         else:
-            self._raise_writer_error()
             self._queue.put((padding, raw))
         return offset, len(raw)
 
