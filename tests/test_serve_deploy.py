@@ -141,13 +141,18 @@ def test_an_engine_that_failed_to_load_answers_503_not_ready(broken_artifact):
         server.server_close()
 
 
-def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine):
+def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine, tmp_path):
     port = free_port()
     env = {**os.environ, "LLMX_BIND": f"127.0.0.1:{port}", "LLMX_WORKERS": "2", "LLMX_WORKER_THREADS": "16"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     app = f'llmx.serve:create_app("{llama_artifact}", threads=1)'
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", app, "-c", str(ROOT / "deploy" / "gunicorn.conf.py")],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The server's log goes to a file, not a pipe nobody reads while it runs: a pipe that fills
+    # would block the server's logging and look like a hung request.
+    log_path = tmp_path / "gunicorn.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "gunicorn", app, "-c", str(ROOT / "deploy" / "gunicorn.conf.py"),
+                                 "--control-socket", str(tmp_path / "gunicorn.ctl")],
+                                env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log_file, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, in_a_row=10)
@@ -156,18 +161,22 @@ def test_gunicorn_recipe_serves_with_two_workers(llama_artifact, llama_engine):
         metrics = requests.get(url + "/metrics", timeout=10).text
         served = re.search(r'llmx_requests_total\{endpoint="/v1/completions",status="200"\} (\d+)', metrics)
         assert served and int(served.group(1)) == 3  # merged over both workers (multiprocess mode)
+    except Exception as err:
+        stop(proc)
+        raise AssertionError(f"{err!r}; the server's log:\n{log_path.read_text()[-4000:]}") from err
     finally:
         stop(proc)
-    log = proc.stderr.read()
+    log = log_path.read_text()
     assert log.count("Booting worker") == 2 and "gthread" in log, log
 
 
-def test_gunicorn_preload_is_refused_with_a_clear_error(llama_artifact):
+def test_gunicorn_preload_is_refused_with_a_clear_error(llama_artifact, tmp_path):
     """--preload would create the engine in the master and fork it: llmx answers 500, never hangs."""
     port = free_port()
     env = {**os.environ, "LLMX_BIND": f"127.0.0.1:{port}", "LLMX_WORKERS": "1", "LLMX_WORKER_THREADS": "4"}
     app = f'llmx.serve:create_app("{llama_artifact}", threads=1)'
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", app, "-c", str(ROOT / "deploy" / "gunicorn.conf.py"), "--preload"],
+    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", app, "-c", str(ROOT / "deploy" / "gunicorn.conf.py"), "--preload",
+                             "--control-socket", str(tmp_path / "gunicorn.ctl")],
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 90
