@@ -11,7 +11,9 @@ is byte for byte what ``calibrate --no-search`` stores.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -32,13 +34,20 @@ def check_block_size(block_size: int) -> None:
 
 @dataclass
 class Blocks:
-    """One [K, N] weight in MatMulNBits layout; rows are output channels."""
+    """One [K, N] weight in MatMulNBits layout; rows are output channels.
+
+    ``offsets`` (a GGUF's asymmetric blocks, export/gguf_blocks.py ``split_offsets``): a float
+    added to every value of a block, W[n, k] = (q - z) * s + offsets[n, k // block_size]; the
+    graph adds it as ``blocksum(x) @ offsets.T`` beside MatMulNBits, whose kernels are slow or
+    refuse float zero points.
+    """
 
     bits: int
     packed: np.ndarray  # [N, K / block_size, block_size * bits / 8] uint8
     scales: np.ndarray  # [N, K / block_size] float32
     zero_points: np.ndarray | None = None  # uint8 packed or float32 per block; None: the kernel's default
     block_size: int = 32
+    offsets: np.ndarray | None = None  # [N, K / block_size] float32
 
     @property
     def n(self) -> int:
@@ -46,18 +55,28 @@ class Blocks:
 
     def rows(self, order: np.ndarray) -> "Blocks":
         zp = None if self.zero_points is None else self.zero_points[order]
-        return Blocks(self.bits, self.packed[order], self.scales[order], zp, self.block_size)
+        offsets = None if self.offsets is None else self.offsets[order]
+        return Blocks(self.bits, self.packed[order], self.scales[order], zp, self.block_size, offsets)
 
     def float_zero_points(self) -> np.ndarray:
         if self.zero_points is not None:
             return self.zero_points
         return np.full(self.scales.shape, _DEFAULT_ZERO_POINT[self.bits], dtype=np.float32)
 
+    def scaled(self, scale) -> "Blocks":
+        """The weight times a scalar: ``scale`` (a function of a float32 array) applied to the
+        scales and offsets, the one float32 operation per block a float weight gets per value."""
+        return dataclasses.replace(self, scales=scale(self.scales).astype(np.float32),
+                                   offsets=None if self.offsets is None else scale(self.offsets).astype(np.float32))
+
     def arrays(self, weight: str) -> list[tuple[str, np.ndarray]]:
-        """(initializer name, values) of the tensors MatMulNBits reads, named as MatMulNBitsQuantizer names them."""
+        """(initializer name, values) of the tensors MatMulNBits reads, named as MatMulNBitsQuantizer
+        names them, then the offsets ([K / block_size, N], the MatMul beside it), if any."""
         arrays = [(f"{weight}_Q{self.bits}", self.packed), (f"{weight}_scales", self.scales)]
         if self.zero_points is not None:
             arrays.append((f"{weight}_zero_points", self.zero_points))
+        if self.offsets is not None:
+            arrays.append((f"{weight}_offsets", np.ascontiguousarray(self.offsets.T)))
         return arrays
 
     def initializers(self, weight: str, k: int | None = None) -> "NBitsWeight":
@@ -65,7 +84,20 @@ class Blocks:
         from onnx import numpy_helper
 
         tensors = [numpy_helper.from_array(np.ascontiguousarray(a), name) for name, a in self.arrays(weight)]
-        return NBitsWeight(self.bits, self.block_size, k or self.packed.shape[1] * self.block_size, self.n, tensors)
+        return NBitsWeight.of(self, k or self.packed.shape[1] * self.block_size, tensors)
+
+
+@dataclass
+class StackedBlocks:
+    """Weights stacked along the output axis (q|k|v, gate|up) whose blocks differ in bits or block
+    size (llama.cpp's Q4_K_M gives v more bits than q and k): one MatMulNBits each, outputs
+    concatenated, so each keeps its own compact layout."""
+
+    parts: list[Blocks]
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
 
 
 @dataclass
@@ -78,6 +110,14 @@ class NBitsWeight:
     k: int
     n: int
     tensors: list  # onnx.TensorProto: packed blocks, scales (, zero points)
+    offsets: Any = None  # onnx.TensorProto [K / block_size, N]: Blocks.offsets, added beside MatMulNBits
+    parts: list["NBitsWeight"] | None = None  # StackedBlocks: one MatMulNBits per part, concatenated
+
+    @classmethod
+    def of(cls, blocks: Blocks, k: int, tensors: list) -> "NBitsWeight":
+        """``tensors``: the stored ``blocks.arrays()``, in that order."""
+        offsets = tensors[-1] if blocks.offsets is not None else None
+        return cls(blocks.bits, blocks.block_size, k, blocks.n, tensors[:-1] if offsets is not None else tensors, offsets)
 
 
 def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> Blocks:
@@ -91,50 +131,96 @@ def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, symmetric: b
 
 
 def concat_rows(parts: list[Blocks]) -> Blocks:
-    """Stack weights along the output axis (llmx's fused qkv and gate|up matmuls)."""
+    """Stack weights of one layout along the output axis (llmx's fused qkv and gate|up matmuls)."""
     if len(parts) == 1:
         return parts[0]
-    zps = None
+    zps = offsets = None
     if any(p.zero_points is not None for p in parts):
         zps = np.concatenate([p.float_zero_points() for p in parts])
+    if any(p.offsets is not None for p in parts):
+        offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
     return Blocks(parts[0].bits, np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
-                  zps, parts[0].block_size)
+                  zps, parts[0].block_size, offsets)
 
 
 def replace_matmuls(model, weights: dict[str, NBitsWeight], accuracy_level: int) -> list[str]:
     """Swap each MatMul whose weight is in ``weights`` for MatMulNBits, as MatMulNBitsQuantizer does
-    (same node name, inputs and attributes); returns the weights swapped. Initializers no node
-    reads any more are dropped."""
+    (same node name, inputs and attributes), plus the offsets' MatMul beside it and one node per
+    part of stacked blocks; returns the weights swapped. Initializers no node reads any more are
+    dropped."""
     import onnx
-    from onnx import helper
 
     inits = {i.name: i for i in model.graph.initializer}
-    swapped = []
-    for index, node in enumerate(model.graph.node):
+
+    def add(tensor) -> str:
+        if tensor.name not in inits:
+            model.graph.initializer.append(tensor)
+            inits[tensor.name] = tensor
+        return tensor.name
+
+    swapped, nodes = [], []
+    for node in model.graph.node:
         name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         quantized = weights.get(name) if name in inits else None
         if quantized is None:
+            nodes.append(node)
             continue
         if tuple(inits[name].dims) != (quantized.k, quantized.n):
             raise ValueError(f"{name}: graph weight is {'x'.join(map(str, inits[name].dims))}, "
                              f"its blocks are for {quantized.k}x{quantized.n}")
-        for tensor in quantized.tensors:
-            if tensor.name not in inits:
-                model.graph.initializer.append(tensor)
-                inits[tensor.name] = tensor
-        attrs = dict(K=quantized.k, N=quantized.n, bits=quantized.bits, block_size=quantized.block_size)
-        if accuracy_level:  # the quantizer leaves the optional attribute out at 0
-            attrs["accuracy_level"] = accuracy_level
-        new = helper.make_node("MatMulNBits", [node.input[0], *(t.name for t in quantized.tensors)], list(node.output),
-                               name=f"{node.name or name}_Q{quantized.bits}", domain="com.microsoft", **attrs)
-        model.graph.node[index].CopyFrom(new)
+        nodes.extend(_nbits_nodes(node.input[0], node.output[0], quantized, node.name or name, accuracy_level, add))
         swapped.append(name)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     used = {i for node in model.graph.node for i in node.input}
     for init in [i for i in model.graph.initializer if i.name not in used]:
         model.graph.initializer.remove(init)
     if swapped and not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return swapped
+
+
+def _nbits_nodes(x: str, y: str, w: NBitsWeight, name: str, accuracy_level: int, add) -> list:
+    from onnx import helper
+
+    if w.parts:
+        outputs = [f"{y}_part{j}" for j in range(len(w.parts))]
+        nodes = [n for j, (part, out) in enumerate(zip(w.parts, outputs))
+                 for n in _nbits_nodes(x, out, part, f"{name}_part{j}", accuracy_level, add)]
+        return [*nodes, helper.make_node("Concat", outputs, [y], name=f"{name}_concat", axis=-1)]
+    attrs = dict(K=w.k, N=w.n, bits=w.bits, block_size=w.block_size)
+    if accuracy_level:  # the quantizer leaves the optional attribute out at 0
+        attrs["accuracy_level"] = accuracy_level
+    main = y if w.offsets is None else f"{y}_blocks"
+    nodes = [helper.make_node("MatMulNBits", [x, *(add(t) for t in w.tensors)], [main],
+                              name=f"{name}_Q{w.bits}", domain="com.microsoft", **attrs)]
+    if w.offsets is not None:
+        more, consts = offset_nodes(x, main, y, add(w.offsets), w.k, w.block_size, f"{name}_offsets")
+        for const in consts:
+            add(const)
+        nodes.extend(more)
+    return nodes
+
+
+def offset_nodes(x: str, y_main: str, y: str, offsets: str, k: int, block_size: int, prefix: str):
+    """(nodes, initializers) computing ``y = y_main + blocksum(x) @ offsets``, the term of
+    ``Blocks.offsets`` MatMulNBits leaves out; ``offsets`` names a [K / block_size, N] float32
+    initializer; x has any rank."""
+    from onnx import helper, numpy_helper
+
+    shape = numpy_helper.from_array(np.array([-1, k // block_size, block_size], np.int64), f"{prefix}_block_shape")
+    axes = numpy_helper.from_array(np.array([2], np.int64), f"{prefix}_block_axis")
+    nodes = [
+        helper.make_node("Reshape", [x, shape.name], [f"{prefix}_x_blocks"], name=f"{prefix}_reshape"),
+        helper.make_node("ReduceSum", [f"{prefix}_x_blocks", axes.name], [f"{prefix}_x_sums"], keepdims=0,
+                         name=f"{prefix}_blocksum"),
+        helper.make_node("MatMul", [f"{prefix}_x_sums", offsets], [f"{prefix}_offset_flat"], name=f"{prefix}_matmul"),
+        helper.make_node("Shape", [y_main], [f"{prefix}_y_shape"], name=f"{prefix}_shape"),
+        helper.make_node("Reshape", [f"{prefix}_offset_flat", f"{prefix}_y_shape"], [f"{prefix}_offset"],
+                         name=f"{prefix}_reshape_back"),
+        helper.make_node("Add", [y_main, f"{prefix}_offset"], [y], name=f"{prefix}_add"),
+    ]
+    return nodes, [shape, axes]
 
 
 def weight_only_precision(scheme: str, block_size: int, symmetric: bool, awq: bool = False,
