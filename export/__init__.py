@@ -35,14 +35,17 @@ def export_checkpoint(
     all_logits: bool = False,
     force: bool = False,
     graphs: str | None = None,
-    precision: str = "fp32",
+    precision: str | None = None,
     block_size: int = UNSEARCHED_BLOCK_SIZE,
+    source: str | None = None,
     log: Callable[[str], None] = lambda msg: None,
 ) -> Manifest:
     """Export a local HF checkpoint (decoder or encoder) or a GGUF file to an artifact directory; returns its manifest.
 
-    ``graphs`` None: "fused" for a quantized ``precision`` (MatMulNBits is an ONNX Runtime op),
-    else "portable".
+    ``precision`` None: fp32 for a checkpoint directory; a GGUF keeps its quantized blocks
+    (export/gguf_export.py). ``graphs`` None: "fused" for a quantized ``precision`` (MatMulNBits
+    is an ONNX Runtime op), else "portable" (a GGUF: fused where the family has fused kernels).
+    ``source``: what the lineage names as the source (a hub id) when ``src`` is where it was put.
     """
     from llmx.artifact.staging import finish, staged_artifact
     from llmx.export.checkpoint import open_checkpoint
@@ -51,15 +54,17 @@ def export_checkpoint(
     from llmx.export.memory import check_export_fits
     from llmx.export.tokenizer import package_tokenizer
 
-    graphs = _check_options(graphs, precision, block_size, verify)
     if (gguf := gguf_file(src)) is not None:  # a .gguf file, or a directory holding one
-        from llmx.export.gguf_export import export_gguf
+        from llmx.export.gguf import gguf_checkpoint
+        from llmx.export.gguf_export import AS_STORED, gguf_export_options
 
-        if graphs != "portable" or precision != "fp32":
-            raise InputError("a GGUF file exports as it is quantized (its own blocks); --graphs and --precision "
-                             "apply to Hugging Face checkpoints")
-        return export_gguf(gguf, out, verify=verify, all_logits=all_logits, force=force, log=log)
-    checkpoint = open_checkpoint(src)
+        checkpoint = gguf_checkpoint(gguf, keep_blocks=precision is None)
+        graphs, precision = gguf_export_options(checkpoint, graphs, precision or AS_STORED, verify)
+        _check_options(graphs, "fp32" if precision == AS_STORED else precision, block_size, verify)
+    else:
+        precision = precision or "fp32"
+        graphs = _check_options(graphs, precision, block_size, verify)
+        checkpoint = open_checkpoint(src)
     spec = checkpoint.spec
     if spec.kind == "encoder":
         from llmx.export.encoder import read_sentence_config
@@ -76,10 +81,10 @@ def export_checkpoint(
         from llmx.export.fused import export_fused
 
         with staged_artifact(out, overwrite=force) as tmp:
-            tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
+            tokenizer = _package_tokenizer(checkpoint, tmp)
             manifest = export_fused(checkpoint, tmp, tokenizer, all_logits=all_logits, precision=precision,
                                     block_size=block_size, log=log)
-            return finish(tmp, manifest)
+            return finish(tmp, _with_source_record(manifest, checkpoint, source, log))
 
     from llmx.export.checkpoint import load_model
 
@@ -94,7 +99,7 @@ def export_checkpoint(
         else:
             log(f"streaming {weights}" + (f" as {precision}" if precision != "fp32" else ""))
         with staged_artifact(out, overwrite=force) as tmp:
-            tokenizer = package_tokenizer(checkpoint.path, tmp, checkpoint.config)
+            tokenizer = _package_tokenizer(checkpoint, tmp)
             low_dtype = LOW_DTYPES.get(precision)
             details = dict(prefill_logits="all" if all_logits else "last")
             if low_dtype:
@@ -106,7 +111,7 @@ def export_checkpoint(
             if model is not None:
                 log("verifying ONNX Runtime against PyTorch")
                 _verify(model, tmp, manifest, log)
-            return finish(tmp, manifest)
+            return finish(tmp, _with_source_record(manifest, checkpoint, source, log))
 
     # Encoders keep the loaded model's trace (their weights are small).
     log(f"loading {spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) from {checkpoint.path}")
@@ -120,8 +125,22 @@ def export_checkpoint(
         if verify:
             log("verifying ONNX Runtime against PyTorch")
             _verify(model, tmp, manifest, log)
-        finish(tmp, manifest)
-    return manifest
+        return finish(tmp, _with_source_record(manifest, checkpoint, source, log))
+
+
+def _package_tokenizer(checkpoint, tmp: Path) -> dict:
+    from llmx.export.gguf_export import is_gguf, package_gguf
+    from llmx.export.tokenizer import package_tokenizer
+
+    return package_gguf(checkpoint, tmp) if is_gguf(checkpoint) else package_tokenizer(checkpoint.path, tmp, checkpoint.config)
+
+
+def _with_source_record(manifest: Manifest, checkpoint, source: str | None, log: Callable[[str], None]) -> Manifest:
+    from llmx.export.gguf_export import finish_gguf_manifest, is_gguf
+
+    if source is not None:
+        manifest.lineage[0].details.update(source=source, path=str(checkpoint.path))
+    return finish_gguf_manifest(manifest, checkpoint, log) if is_gguf(checkpoint) else manifest
 
 
 def _verify(model, tmp: Path, manifest: Manifest, log: Callable[[str], None]) -> None:

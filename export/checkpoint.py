@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from llmx.errors import CheckpointError
@@ -222,6 +224,18 @@ class Checkpoint:
     spec: ModelSpec
     weight_files: list[Path]
 
+    # A source other than safetensors/bin files (a GGUF): its tensors by HF name, read lazily.
+    reader: Mapping[str, torch.Tensor] | None = None
+    # A source that stores weights quantized (a GGUF) keeps them in its own blocks: given a
+    # linear weight's [out, in] parts by name, those blocks, or None (see ``iter_weights``).
+    stored_blocks: Callable[[list[str]], Any] | None = None
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """The weights by their Hugging Face names, each read from disk only when asked for."""
+        from llmx.export.tensors import CheckpointTensors
+
+        return self.reader if self.reader is not None else CheckpointTensors(self.weight_files)
+
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
@@ -276,7 +290,8 @@ def map_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, to
     return {name: tensor for _, name, tensor in iter_weights(spec, hf)}
 
 
-def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor],
+                 stored: Callable[[list[str]], Any] | None = None) -> Iterator[tuple[str, str, Any]]:
     """(role, llmx module name, float32 tensor) of every weight ``spec`` declares: the model's
     weights, then layer by layer, each with the spec's constant factors folded in.
 
@@ -284,6 +299,10 @@ def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> Iterator[tu
     read by header, export/streaming.py) keeps no more than one combined weight in memory.
     The declaration decides which weights the model has: a rule whose weight the spec lacks is
     skipped, a declared weight no rule produces is an error (a half-added family).
+
+    ``stored`` (a pre-quantized source, e.g. a GGUF's blocks): given the full names of a linear
+    weight's [out, in] parts, the weight as the source stores it, or None; what it returns is
+    yielded in place of the tensor, which is then never read.
     """
     rules = WEIGHT_RULES[spec.family]
     hf = _Stripped(hf, rules["prefixes"])
@@ -308,20 +327,28 @@ def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> Iterator[tu
             return _RESHAPES[how](parts[0], spec).contiguous()
         return torch.cat(parts, dim=-1).contiguous() if len(parts) > 1 or parts[0].dim() == 1 else parts[0].contiguous()
 
+    def made(role: str, names: list[str], how: str):
+        linear = how in ("transpose", "concat_t") or (how == "copy" and role == "embed")  # rows = outputs
+        if stored is not None and linear and not _repeat_key(names, spec) \
+                and all(n in hf for n in names):
+            if (found := stored([hf.names[n] for n in names])) is not None:
+                return _folded_blocks(spec, role, found)
+        return _folded(spec, role, take(names, how))
+
     for role, names, how in [*rules["model"], *head]:
         if role in declared:
-            yield role, declared[role], _folded(spec, role, take(names, how))
+            yield role, declared[role], made(role, names, how) if role in ("lm_head", "embed") else _folded(spec, role, take(names, how))
     if tied:  # the unscaled table, transposed
         embed = next(row for row in rules["model"] if row[0] == "embed")
         # Transposed in the checkpoint's dtype, as an untied head is: an fp32 table and its fp32
         # transpose side by side would be Qwen3-4B's 3.1 GB at the export's peak.
-        head = take(embed[1], "transpose") if embed[2] == "copy" else take(*embed[1:]).t().contiguous()
-        yield "lm_head", declared["lm_head"], _folded(spec, "lm_head", head)
+        head = made("lm_head", embed[1], "transpose") if embed[2] == "copy" else take(*embed[1:]).t().contiguous()
+        yield "lm_head", declared["lm_head"], head if not isinstance(head, torch.Tensor) else _folded(spec, "lm_head", head)
     for i in range(spec.num_layers):
         layer, declared_here = rules["layer_prefix"].format(i=i), layer_weights(spec, i)
         for role, names, how in rules["layer"]:
             if role in declared_here:
-                yield role, declared_here[role], _folded(spec, role, take([layer + n for n in names], how))
+                yield role, declared_here[role], made(role, [layer + n for n in names], how)
 
 
 def _transposed_fp32(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -363,6 +390,22 @@ def _folded(spec: ModelSpec, role: str, t: torch.Tensor) -> torch.Tensor:
         if spec.logits_scale != 1.0 and role == "lm_head":
             t = t / spec.logits_scale
     return t
+
+
+def _folded_blocks(spec: ModelSpec, role: str, blocks):
+    """``_folded``'s factors for a weight kept in its source's quantized blocks: a scalar across a
+    matmul scales the blocks' scales (the same one float32 operation per scale)."""
+    from llmx.quant_blocks import StackedBlocks
+
+    if isinstance(blocks, StackedBlocks):
+        return StackedBlocks([_folded_blocks(spec, role, part) for part in blocks.parts])
+    if spec.embed_scale != 1.0 and role == "embed":
+        blocks = blocks.scaled(lambda a: a * np.float32(spec.embed_scale))
+    if spec.residual_scale != 1.0 and role in ("o", "down"):
+        blocks = blocks.scaled(lambda a: a * np.float32(spec.residual_scale))
+    if spec.logits_scale != 1.0 and role == "lm_head":
+        blocks = blocks.scaled(lambda a: a / np.float32(spec.logits_scale))
+    return blocks
 
 
 class _Stripped(Mapping):
@@ -420,7 +463,9 @@ def _strip(name: str, prefixes: tuple[str, ...]) -> str:
 
 def load_model(checkpoint: Checkpoint):
     """Build llmx's Decoder or Encoder for the checkpoint and load its weights (strictly)."""
-    return build_model(checkpoint.spec, map_weights(checkpoint.spec, read_state_dict(checkpoint.weight_files)))
+    reader = checkpoint.reader
+    tensors = read_state_dict(checkpoint.weight_files) if reader is None else {name: reader[name] for name in reader}
+    return build_model(checkpoint.spec, map_weights(checkpoint.spec, tensors))
 
 
 def build_model(spec: ModelSpec, weights: dict[str, torch.Tensor]):

@@ -35,7 +35,7 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
     quantization = Quantization(BITS[precision], block_size) if precision in BITS else None
     log(f"streaming {spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) "
         f"from {checkpoint.path} as {precision}" + (f" (blocks of {block_size})" if quantization else ""))
-    weights = stream_weights(spec, checkpoint.weight_files, tmp, quantization)
+    weights = stream_weights(spec, checkpoint.tensors(), tmp, quantization, stored=checkpoint.stored_blocks)
     log("writing fused prefill and decode graphs")
     io = decoder_io(spec, all_logits)
     graphs = {name: build_graph(spec, weights, name, io[name], all_logits) for name in GRAPHS}
@@ -49,8 +49,15 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
             raise ArtifactError(f"internal error: the fused {name} graph's inputs or outputs differ from the portable one's")
         # As `llmx optimize` marks its graphs: fused already, ORT's passes would only cost load time;
         # a quantized graph gets ORT's full level, as calibrate leaves it.
-        graph.ort_optimization = None if quantization else "basic"
-    section = weight_only_precision(precision, block_size, symmetric=True) if quantization else Precision(**FP32)
+        graph.ort_optimization = None if weights.quantized else "basic"
+    if quantization:
+        section = weight_only_precision(precision, block_size, symmetric=True)
+    elif weights.quantized:  # the source's own blocks (a GGUF)
+        from llmx.export.gguf_export import stored_precision
+
+        section = stored_precision(weights.quantized)
+    else:
+        section = Precision(**FP32)
     manifest = decoder_manifest(spec, described, tokenizer, section)
     details = dict(prefill_logits="all" if all_logits else "last", graphs="fused", streamed=True,
                    target="onnxruntime", attention="com.microsoft.GroupQueryAttention",
@@ -58,4 +65,6 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
     if quantization:
         details.update(block_size=block_size, symmetric=True, quantized="round-to-nearest blocks as the weights "
                        "streamed past (calibrate --no-search's); no quality report: `llmx calibrate` measures one")
+    elif weights.quantized:
+        details.update(quantized="the source's own blocks, not rounded again (extras.gguf says which types)")
     return with_export_lineage(manifest, str(checkpoint.path), **details)

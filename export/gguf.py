@@ -15,37 +15,24 @@ runs them with NeoX-style RoPE).
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llmx.errors import CheckpointError, require
+from llmx.export.gguf_arch import ARCHITECTURES
 
-# GGUF general.architecture -> llmx family. Mistral GGUFs are written as "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+if TYPE_CHECKING:
+    import torch
 
-# GGUF tensor names -> HF names ("{i}" is the layer).
-TENSOR_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 ROPE_SCALING = {"none": None, "linear": "linear", "yarn": "yarn"}
 
@@ -113,7 +100,7 @@ class GGUFSource:
         embed = self._tensor("token_embd.weight")
         heads = int(need["attention.head_count"])
         cfg = {
-            "model_type": ARCHITECTURES[arch],
+            "model_type": ARCHITECTURES[arch].family,
             "vocab_size": int(embed.shape[1]),  # ggml dims: [hidden, vocab]
             "hidden_size": int(need["embedding_length"]),
             "num_hidden_layers": int(need["block_count"]),
@@ -123,7 +110,7 @@ class GGUFSource:
             "max_position_embeddings": int(need["context_length"]),
             "rms_norm_eps": _float32(f(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": _float32(f(f"{arch}.rope.freq_base", 10000.0)),
-            "hidden_act": "silu",
+            "hidden_act": ARCHITECTURES[arch].hidden_act,
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "bos_token_id": f("tokenizer.ggml.bos_token_id"),
@@ -132,6 +119,9 @@ class GGUFSource:
         }
         if (key_length := f(f"{arch}.attention.key_length")) is not None:
             cfg["head_dim"] = int(key_length)
+        for key, theirs in ARCHITECTURES[arch].config.items():
+            if (value := f(f"{arch}.{theirs}")) is not None:
+                cfg[key] = _float32(value) if isinstance(value, float) else value
         cfg.update(self._rope_scaling())
         return cfg
 
@@ -157,13 +147,14 @@ class GGUFSource:
     def hf_name(self, name: str) -> str:
         layer = _LAYER.match(name)
         pattern = _LAYER.sub("blk.{i}.", name) if layer else name
-        if pattern not in TENSOR_NAMES:
+        names = ARCHITECTURES[self.architecture].tensor_names()
+        if pattern not in names:
             raise CheckpointError(f"GGUF tensor {name!r} has no counterpart in a {self.architecture} model")
-        return TENSOR_NAMES[pattern].format(i=layer.group(1) if layer else "")
+        return names[pattern].format(i=layer.group(1) if layer else "")
 
     def row_heads(self, name: str, heads: int, kv_heads: int) -> int | None:
-        """Heads to unpermute ``name``'s rows by (llama q and k), or None."""
-        if self.architecture != "llama":
+        """Heads to unpermute ``name``'s rows by (q and k of a family llama.cpp permuted), or None."""
+        if not ARCHITECTURES[self.architecture].permuted:
             return None
         return heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
 
@@ -174,21 +165,15 @@ class GGUFSource:
         array = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         return array if array.flags.writeable else array.copy()  # F32 tensors come as read-only memory maps
 
-    def hf_weights(self, heads: int, kv_heads: int) -> dict[str, "torch.Tensor"]:
-        import torch
-
-        out = {}
-        for name in self.tensors:
-            array = self.float32(name)
-            if (by := self.row_heads(name, heads, kv_heads)) is not None:
-                array = unpermute_rows(array, by)
-            if array.ndim == 2:
-                # Stored [in, out] (llmx's layout) and handed over as an [out, in] view: map_weights'
-                # transpose is then free instead of a second copy of every matrix.
-                out[self.hf_name(name)] = torch.from_numpy(np.ascontiguousarray(array.T)).t()
-            else:
-                out[self.hf_name(name)] = torch.from_numpy(np.ascontiguousarray(array))
-        return out
+    def release(self, name: str) -> None:
+        """Drop ``name``'s pages of the memory-mapped file from the resident set once read: the
+        mapping would otherwise keep every page touched, and a streamed export would end holding
+        the whole file."""
+        t, mapped = self.tensors[name], getattr(self.reader.data, "_mmap", None)
+        if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        begin = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, begin, t.data_offset + t.n_bytes - begin)
 
     def quant_types(self) -> dict[str, int]:
         """How many tensors the file holds of each GGML type."""
@@ -214,3 +199,89 @@ def open_gguf(path: Path) -> GGUFSource:
     source = GGUFSource(path, reader)
     source.architecture  # noqa: B018 -- refuse unsupported architectures before any work
     return source
+
+
+class GGUFTensors(Mapping):
+    """A GGUF's tensors by their Hugging Face names, as float32 in HF layout, each dequantized (and
+    its q/k rows put back in HF's order) only when asked for: what ``iter_weights`` streams."""
+
+    def __init__(self, source: GGUFSource, heads: int, kv_heads: int):
+        self.source, self.heads, self.kv_heads = source, heads, kv_heads
+        self.by_hf = {source.hf_name(name): name for name in source.tensors}
+        self.kept: dict[str, str] = {}  # GGUF name -> its type, for the linears kept in their blocks
+        self.requantized: dict[str, float] = {}  # GGUF name -> relative RMS error of the second rounding
+        self._last: tuple[list[str] | None, Any] = (None, None)
+
+    def __getitem__(self, hf: str) -> "torch.Tensor":
+        import torch
+
+        name = self.by_hf[hf]
+        array = self.source.float32(name)
+        self.source.release(name)
+        if (by := self.source.row_heads(name, self.heads, self.kv_heads)) is not None:
+            array = unpermute_rows(array, by)
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+    def __contains__(self, hf) -> bool:
+        return hf in self.by_hf
+
+    def __iter__(self):
+        return iter(self.by_hf)
+
+    def __len__(self) -> int:
+        return len(self.by_hf)
+
+    def stored_blocks(self, hf_names: list[str]):
+        """The linear weight made of ``hf_names`` ([out, in] parts, stacked) in the file's own
+        blocks as MatMulNBits reads them, or None when a part is stored as floats. Adjacent parts
+        of one layout are concatenated; parts of different ones (llama.cpp's Q4_K_M gives v more
+        bits than q and k) stay separate (StackedBlocks), each in its compact layout."""
+        from llmx.export import gguf_blocks
+        from llmx.quant_blocks import StackedBlocks, concat_rows
+
+        if self._last[0] == hf_names:  # a tied head, made from the table the embedding was
+            return self._last[1]
+        names = [self.by_hf[n] for n in hf_names]
+        tensors = [self.source.tensors[n] for n in names]
+        if any(t.tensor_type.name in FLOAT_TYPES for t in tensors):
+            return None
+        parts = []
+        for name, t in zip(names, tensors):
+            kind = t.tensor_type.name
+            if kind in gguf_blocks.EXACT:
+                blocks = gguf_blocks.from_gguf(t.data, kind)
+            else:
+                blocks, self.requantized[name] = gguf_blocks.requantized(t.data, kind, tuple(int(d) for d in t.shape[::-1]))
+            self.source.release(name)
+            if (by := self.source.row_heads(name, self.heads, self.kv_heads)) is not None:
+                blocks = blocks.rows(unpermute_rows(np.arange(blocks.n), by))
+            parts.append(blocks)
+            self.kept[name] = kind
+        runs = [concat_rows(list(run)) for _, run in itertools.groupby(parts, lambda b: (b.bits, b.block_size))]
+        blocks = _fast(runs[0]) if len(runs) == 1 else StackedBlocks([_fast(b) for b in runs])
+        self._last = hf_names, blocks
+        return blocks
+
+def _fast(blocks):
+    """Float zero points (Q4_1, Q4_K, ...) as integer codes plus per-block offsets: ONNX Runtime's
+    MatMulNBits runs float zero points ~40x slower at 4 bits and refuses them at 8."""
+    from llmx.export.gguf_blocks import split_offsets
+
+    if blocks.zero_points is None or blocks.zero_points.dtype != np.float32:
+        return blocks
+    main, offsets = split_offsets(blocks)
+    main.offsets = offsets
+    return main
+
+
+def gguf_checkpoint(path: Path, keep_blocks: bool = True):
+    """A GGUF file as a ``Checkpoint``: its metadata as config.json, its tensors read one at a
+    time; with ``keep_blocks`` its quantized linear weights stay in their own blocks."""
+    from llmx.export.checkpoint import Checkpoint
+    from llmx.spec import spec_from_hf_config
+
+    source = open_gguf(path)
+    config = source.config()
+    spec = spec_from_hf_config(config)
+    tensors = GGUFTensors(source, spec.num_heads, spec.num_kv_heads)
+    return Checkpoint(path, config, spec, [], reader=tensors, stored_blocks=tensors.stored_blocks if keep_blocks else None)

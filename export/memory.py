@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from llmx.export.checkpoint import Checkpoint, iter_weights
-from llmx.export.streaming import MATMUL_ROLES, CheckpointTensors
+from llmx.export.streaming import MATMUL_ROLES
+from llmx.export.tensors import CheckpointTensors
 from llmx.memory_budget import GiB, Need, check_fits
 from llmx.quant_blocks import BITS
 
@@ -72,8 +73,8 @@ def _is_matrix(role: str) -> bool:
 def weight_shapes(checkpoint: Checkpoint) -> list[tuple[str, int, int]] | None:
     """(role, elements, bytes of its source tensors) per llmx weight, from the headers only; None
     when the weights are not safetensors (their shapes cost a read)."""
-    if any(f.suffix != ".safetensors" for f in checkpoint.weight_files):
-        return None
+    if checkpoint.reader is not None or any(f.suffix != ".safetensors" for f in checkpoint.weight_files):
+        return None  # a GGUF streams one tensor at a time; .bin files cost a read to size
     tensors = _MetaTensors(checkpoint.weight_files)
     shapes = []
     for role, _, tensor in iter_weights(checkpoint.spec, tensors):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import onnx_ir as ir
@@ -106,16 +106,16 @@ def export_decoder(model: Decoder, out_dir: Path, all_logits: bool = False) -> d
     return graphs
 
 
-def export_streamed(spec: ModelSpec, weight_files: list[Path], out_dir: Path, all_logits: bool = False,
+def export_streamed(spec: ModelSpec, tensors: Mapping[str, "torch.Tensor"], out_dir: Path, all_logits: bool = False,
                     log: Callable[[str], None] = lambda msg: None, low_dtype: str | None = None) -> dict[str, "onnx.ModelProto"]:
     """The graphs ``export_decoder`` writes, traced without loading the model: the weights
-    streamed from ``weight_files`` into ``out_dir``/weights.bin, the trace on fake parameters.
+    streamed from ``tensors`` (``Checkpoint.tensors()``) into ``out_dir``/weights.bin, the trace on fake parameters.
 
     ``low_dtype`` (float16 | bfloat16): the graphs ``llmx build`` would lower the fp32 ones to
     (llmx/low_precision.py), with the weights stored in that dtype as they stream past, so no
     fp32 copy of them is ever written.
     """
-    weights = stream_weights(spec, weight_files, out_dir, low_dtype=low_dtype)
+    weights = stream_weights(spec, tensors, out_dir, low_dtype=low_dtype)
     log("exporting prefill and decode graphs")
     model = fake_decoder(spec)
     graphs = {}
@@ -203,7 +203,7 @@ def traced_decoder_manifest(model: Decoder, out_dir: Path, tokenizer: dict, all_
 def streamed_decoder_manifest(checkpoint: Checkpoint, out_dir: Path, tokenizer: dict, all_logits: bool,
                               log: Callable[[str], None] = lambda msg: None, low_dtype: str | None = None) -> Manifest:
     """Trace prefill and decode with the weights streamed from ``checkpoint``; the manifest (no lineage yet)."""
-    export_streamed(checkpoint.spec, checkpoint.weight_files, out_dir, all_logits=all_logits, log=log,
+    export_streamed(checkpoint.spec, checkpoint.tensors(), out_dir, all_logits=all_logits, log=log,
                     low_dtype=low_dtype)
     manifest = _manifest(checkpoint.spec, out_dir, tokenizer)
     if low_dtype is None:

@@ -1,7 +1,8 @@
 """Streaming a checkpoint's weights into an artifact's weights.bin, one tensor at a time.
 
-    model.safetensors (memory-mapped) --tensor--> rules (export/checkpoint.py) --> fp32 | w8 | w4 --> weights.bin
-                                                  q|k|v, gate|up concatenated        (quantize_blocks)
+    model.safetensors --tensor--> rules (export/checkpoint.py) --> fp32 | w8 | w4 | fp16 --> weights.bin
+    (export/tensors.py)           q|k|v, gate|up concatenated        (quantize_blocks)
+    a GGUF (export/gguf.py) -------------------------------------> the file's own blocks
 
 The checkpoint is never loaded: safetensors files are read by their headers, a tensor at a time,
 and each llmx weight is made from its source tensors only when its turn comes (``iter_weights``), converted, written
@@ -13,8 +14,7 @@ reads through the ``WeightSource`` protocol (llmx/fused/weights.py).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from llmx.artifact.onnx_files import WeightsFile, external_reference
 from llmx.errors import CheckpointError
 from llmx.export.checkpoint import iter_weights, parameters_on_meta
 from llmx.export.modules import Decoder
-from llmx.quant_blocks import NBitsWeight, quantize_blocks
+from llmx.quant_blocks import Blocks, NBitsWeight, StackedBlocks, quantize_blocks
 from llmx.spec import ModelSpec
 from llmx.weight_names import graph_name
 
@@ -45,85 +45,6 @@ class Quantization:
     symmetric: bool = True
 
 
-class CheckpointTensors(Mapping):
-    """A checkpoint's tensors by their Hugging Face names, read from disk only when asked for.
-
-    safetensors files are read by their headers, each tensor with a plain read of its bytes
-    (``SafetensorsFile``); ``pytorch_model.bin`` files are opened with ``torch.load(mmap=True)``,
-    whose tensors are mapped, not read.
-    """
-
-    def __init__(self, files: list[Path]):
-        self.where: dict[str, object] = {}
-        for file in files:
-            try:
-                if file.suffix == ".safetensors":
-                    handle = SafetensorsFile(file)
-                    self.where.update(dict.fromkeys(handle.header, handle))
-                else:
-                    self.where.update(torch.load(file, map_location="cpu", weights_only=True, mmap=True))
-            except Exception as exc:  # corrupt files raise many exception types
-                raise CheckpointError(f"cannot read weights from {file.name}: {str(exc).splitlines()[0]}") from exc
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        source = self.where[name]
-        return source if isinstance(source, torch.Tensor) else source.tensor(name)
-
-    def __contains__(self, name) -> bool:
-        return name in self.where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.where)
-
-    def __len__(self) -> int:
-        return len(self.where)
-
-
-class SafetensorsFile:
-    """One ``.safetensors`` file: its header (names, dtypes, shapes, offsets) and one tensor per read.
-
-    Each tensor is read into its own buffer rather than viewed in a memory map of the file: the
-    pages of a mapping stay in the process's resident set until it is unmapped, so a streamed
-    export would end holding the whole checkpoint; a read's buffer goes when its tensor does.
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if not 2 <= length <= size - 8:
-                raise ValueError(f"header length {length} does not fit a file of {size} bytes")
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
-        self.start, self.header = 8 + length, header
-        for name, info in header.items():
-            begin, end = info["data_offsets"]
-            if info["dtype"] not in DTYPES or not 0 <= begin <= end <= size - self.start:
-                raise ValueError(f"tensor {name!r}: dtype {info['dtype']} or offsets {begin}-{end} out of range")
-
-    def shape(self, name: str) -> list[int]:
-        return self.header[name]["shape"]
-
-    def dtype(self, name: str) -> torch.dtype:
-        return DTYPES[self.header[name]["dtype"]]
-
-    def tensor(self, name: str) -> torch.Tensor:
-        begin, end = self.header[name]["data_offsets"]
-        if begin == end:
-            return torch.empty(self.shape(name), dtype=self.dtype(name))
-        data = torch.empty(end - begin, dtype=torch.uint8)  # not zero-filled, as a bytearray would be
-        with open(self.path, "rb") as f:
-            f.seek(self.start + begin)
-            if f.readinto(data.numpy()) != end - begin:
-                raise CheckpointError(f"cannot read weights from {self.path.name}: {name!r} is truncated")
-        return data.view(self.dtype(name)).reshape(self.shape(name))
-
-
-DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
-
 @dataclass
 class StreamedWeights:
     """The weights a streamed export wrote, as the fused graph builder reads them (a WeightSource).
@@ -136,6 +57,7 @@ class StreamedWeights:
     tensors: dict[str, onnx.TensorProto] = field(default_factory=dict)  # graph name -> external fp32 tensor
     quantized: dict[str, NBitsWeight] = field(default_factory=dict)  # graph name -> its MatMulNBits tensors
     lowered: dict[str, onnx.TensorProto] = field(default_factory=dict)  # graph name -> stored fp16/bf16 tensor
+    gathered: dict[str, NBitsWeight] = field(default_factory=dict)  # a table looked up from its blocks (llmx/fused/embedding.py)
     bytes_written: int = 0
 
     def get(self, name: str) -> onnx.TensorProto:
@@ -153,23 +75,35 @@ class StreamedWeights:
         return self.tensors.get(name)
 
 
-def stream_weights(spec: ModelSpec, files: list[Path], out_dir: Path, quantization: Quantization | None = None,
-                   low_dtype: str | None = None) -> StreamedWeights:
-    """Write every weight of ``spec`` from checkpoint ``files`` to ``out_dir``/weights.bin, one at a time.
+def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir: Path,
+                   quantization: Quantization | None = None, low_dtype: str | None = None,
+                   stored: Callable[[list[str]], Blocks | None] | None = None) -> StreamedWeights:
+    """Write every weight of ``spec`` from a checkpoint's ``tensors`` (by HF name, read lazily:
+    ``Checkpoint.tensors()``) to ``out_dir``/weights.bin, one at a time.
 
     With ``quantization`` the MatMul weights are stored as MatMulNBits blocks instead of fp32;
     their fp32 entry in ``tensors`` then describes the weight (name, dims) without data, for the
     graph builder to wire the MatMul that ``replace_matmuls`` swaps afterwards. With ``low_dtype``
     (float16 | bfloat16) every weight of rank >= 2 is stored in that dtype, rounded as
     llmx/low_precision.py rounds a graph's weights (``lowered``), and its fp32 entry in
-    ``tensors`` likewise describes it without data.
+    ``tensors`` likewise describes it without data. ``stored`` (a GGUF's own blocks, see
+    ``iter_weights``): MatMul weights the source keeps quantized are written as those blocks.
     """
     if quantization is not None and low_dtype is not None:
         raise ValueError("weights are either quantized or lowered, not both")
     out = StreamedWeights(Path(out_dir))
     shapes = declared_shapes(spec)
+    # The blocks last written and their stored tensors: a tied head made from the same blocks as
+    # the (quantized) embedding shares them, as the checkpoint does.
+    shared: tuple[Blocks, NBitsWeight] | None = None
     with WeightsFile(out_dir, background=True) as data:
-        for role, name, tensor in iter_weights(spec, CheckpointTensors(files)):
+        for role, name, tensor in iter_weights(spec, tensors, stored):
+            if isinstance(tensor, (Blocks, StackedBlocks)):
+                shared = shared if shared is not None and shared[0] is tensor else None
+                shared = tensor, _write_blocks(out, data, role, graph_name(name), tensor, shapes[name],
+                                               shared[1] if shared else None)
+                del tensor
+                continue
             if tuple(tensor.shape) != shapes[name]:
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {shapes[name]}")
             _write_weight(out, data, role, graph_name(name), tensor, quantization, low_dtype)
@@ -192,12 +126,36 @@ def _write_weight(out: StreamedWeights, data: WeightsFile, role: str, name: str,
     if quantization is None or role not in MATMUL_ROLES:
         out.bytes_written += _store(data, out.tensors[name], array)
         return
-    blocks = quantize_blocks(array, quantization.bits, quantization.block_size, quantization.symmetric)
+    _write_blocks(out, data, role, name, quantize_blocks(array, quantization.bits, quantization.block_size,
+                                                         quantization.symmetric), array.shape)
+
+
+def _write_blocks(out: StreamedWeights, data: WeightsFile, role: str, name: str, blocks: Blocks | StackedBlocks,
+                  shape: tuple[int, ...], stored: NBitsWeight | None = None) -> NBitsWeight:
+    """A MatMul weight [K, N] (or the embedding table [N, K]) as MatMulNBits blocks; its fp32
+    entry describes it without data. ``stored``: the same blocks, already written."""
+    n, k = shape if role == "embed" else shape[::-1]
+    width = blocks.parts[0] if isinstance(blocks, StackedBlocks) else blocks
+    if blocks.n != n or width.packed.shape[1] * width.block_size != k:
+        raise CheckpointError(f"tensor {name} is stored as {blocks.n} rows of {width.packed.shape[1] * width.block_size} "
+                              f"inputs, but the config implies {n} of {k}")
+    out.tensors[name] = _described(name, np.empty(0, np.float32), shape)
+    if stored is None:
+        stored = _stored_blocks(out, data, name, blocks, k)
+    (out.gathered if role == "embed" else out.quantized)[name] = stored
+    return stored
+
+
+def _stored_blocks(out: StreamedWeights, data: WeightsFile, name: str, blocks: Blocks | StackedBlocks,
+                   k: int) -> NBitsWeight:
+    if isinstance(blocks, StackedBlocks):
+        parts = [_stored_blocks(out, data, f"{name}_part{j}", part, k) for j, part in enumerate(blocks.parts)]
+        return NBitsWeight(0, 0, k, blocks.n, [], parts=parts)
     stored = []
     for tensor_name, values in blocks.arrays(name):
         stored.append(_described(tensor_name, values))
         out.bytes_written += _store(data, stored[-1], values)
-    out.quantized[name] = NBitsWeight(blocks.bits, blocks.block_size, array.shape[0], blocks.n, stored)
+    return NBitsWeight.of(blocks, k, stored)
 
 
 def declared_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -152,3 +152,50 @@ def _sentencepiece_vocab(size: int = 400) -> tuple[list[str], list[float], list[
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
     return tokens, scores, types
+
+
+# llama.cpp's Q4_K_M mix for a 256-multiple model: q, k, gate, up Q4_K; v, down, table Q6_K; o Q5_K.
+KQUANT_MIX = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+              "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+def write_kquant_gguf(out: Path, checkpoint: Path, layers: int = 2, hidden: int = 256, ffn: int = 512) -> Path:
+    """A Llama GGUF whose matrices are K-quant blocks of random bytes (the gguf package cannot
+    quantize K-quants; its dequantizer reads them), mixed per tensor as llama.cpp's Q4_K_M mixes
+    them, with a tied Q6_K table; the vocabulary is ``checkpoint``'s."""
+    import gguf
+    from test_gguf_blocks import crafted
+
+    tok = json.loads((checkpoint / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"]) + sum(a["id"] >= len(tok["model"]["vocab"]) for a in tok["added_tokens"])
+    heads, kv = 4, 2
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    _add_tokenizer(writer, checkpoint)
+    head_dim = hidden // heads
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv * head_dim, hidden), "attn_v": (kv * head_dim, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+
+    def add(name: str, qtype: str, rows: int, k: int, seed: int) -> None:
+        kind = getattr(gguf.GGMLQuantizationType, qtype)
+        writer.add_tensor(name, crafted(qtype, rows, k, seed), raw_dtype=kind)
+
+    add("token_embd.weight", "Q6_K", vocab, hidden, 0)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        for seed, (part, qtype) in enumerate(KQUANT_MIX.items()):
+            add(f"blk.{i}.{part}.weight", qtype, *shapes[part], 10 * i + seed + 1)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -87,14 +87,14 @@ def test_gguf_reads_as_the_checkpoint_it_was_written_from(variant, store, tmp_pa
     from safetensors.numpy import load_file
 
     from llmx.export.checkpoint import open_checkpoint
-    from llmx.export.gguf import open_gguf
+    from llmx.export.gguf import GGUFTensors, open_gguf
     from llmx.spec import spec_from_hf_config
 
     checkpoint = open_checkpoint(store.checkpoint(variant))
     source = open_gguf(write_gguf(checkpoint.path, tmp_path / "m.gguf"))
     spec = spec_from_hf_config(source.config())
     assert spec.to_dict() == checkpoint.spec.to_dict()
-    ours = source.hf_weights(spec.num_heads, spec.num_kv_heads)
+    ours = GGUFTensors(source, spec.num_heads, spec.num_kv_heads)
     theirs = load_file(str(checkpoint.path / "model.safetensors"))
     assert sorted(ours) == sorted(theirs)
     for name, array in theirs.items():
@@ -162,6 +162,8 @@ def test_quantized_gguf_keeps_its_blocks_no_requantization_error(qtype, ggufs, s
     model, nbits = _exact_kernels(artifact)
     layers = manifest.model.num_layers
     assert len(nbits) == 4 * layers + 1  # qkv, o, gate|up, down per layer, and the head
+    weights = (artifact / "weights.bin").stat().st_size
+    assert weights < 1.3 * path.stat().st_size  # the embedding too is looked up from its blocks, not float32
     assert {a.i for n in nbits for a in n.attribute if a.name in ("bits", "block_size")} == {8 if qtype == "Q8_0" else 4, 32}
     assert (manifest.precision.scheme, manifest.precision.symmetric) == (
         "w8" if qtype == "Q8_0" else "w4", qtype != "Q4_1")
@@ -179,26 +181,39 @@ def test_quantized_gguf_keeps_its_blocks_no_requantization_error(qtype, ggufs, s
     record = manifest.extras["gguf"]
     assert record["file"] == path.name and record["sha256"] == _sha256(path)
     assert record["tensor_types"] == {qtype: 2 + 7 * layers, "F32": 1 + 2 * layers}  # norms stay F32
-    assert record["dequantized"] == {"token_embd.weight": qtype}  # the embedding is a lookup: float32
+    assert record["became"] == {qtype: f"{2 + 7 * layers} kept in their blocks (MatMulNBits)",
+                                "F32": f"{1 + 2 * layers} float32"}
     assert manifest.lineage[0].details["format"] == "gguf"
 
 
-def test_mixed_types_keep_only_uniform_linears_quantized(store, tmp_path):
-    """A linear whose GGUF tensors mix types (or use another type) is dequantized, and recorded so."""
-    from llmx.export.gguf import open_gguf
-    from llmx.export.gguf_export import _record, quantized_linears
-    from llmx.spec import spec_from_hf_config
+def test_mixed_types_keep_each_layout_and_floats_stay_float(store, tmp_path):
+    """llama.cpp's mixes give one layer's q, k and v different types: the fused q|k|v matmul becomes
+    one MatMulNBits per run of one layout, concatenated; a float tensor keeps its linear fp32."""
+    from llmx.export import export_checkpoint
 
     mixed = {"blk.0.attn_v.weight": "Q5_0", "blk.1.ffn_up.weight": "Q8_0", "output.weight": "F16"}
-    source = open_gguf(write_gguf(store.checkpoint("llama"), tmp_path / "mixed.gguf", "Q4_0", overrides=mixed))
-    blocks = quantized_linears(source, spec_from_hf_config(source.config()))
-    assert sorted(blocks) == ["layers.0.attn.o.weight", "layers.0.mlp.down.weight", "layers.0.mlp.up.weight",
-                              "layers.1.attn.o.weight", "layers.1.attn.qkv.weight", "layers.1.mlp.down.weight"]
-    record = _record(source, blocks)
-    assert record["dequantized"] == {
-        "token_embd.weight": "Q4_0", "output.weight": "F16", "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0",
-        "blk.0.attn_v.weight": "Q5_0", "blk.1.ffn_gate.weight": "Q4_0", "blk.1.ffn_up.weight": "Q8_0"}
+    path = write_gguf(store.checkpoint("llama"), tmp_path / "mixed.gguf", "Q4_0", overrides=mixed)
+    manifest = export_checkpoint(path, tmp_path / "art")
+    model, nbits = _exact_kernels(tmp_path / "art")
+    bits = {n.input[1].rsplit("_Q", 1)[0]: next(a.i for a in n.attribute if a.name == "bits") for n in nbits}
+    assert bits == {
+        "model.layers.0.attn.qkv.weight_part0": 4, "model.layers.0.attn.qkv.weight_part1": 8,  # Q4_0 q|k, Q5_0 v
+        "model.layers.0.attn.o.weight": 4, "model.layers.0.mlp.up.weight": 4, "model.layers.0.mlp.down.weight": 4,
+        "model.layers.1.attn.qkv.weight": 4, "model.layers.1.attn.o.weight": 4, "model.layers.1.mlp.down.weight": 4,
+        "model.layers.1.mlp.up.weight_part0": 4, "model.layers.1.mlp.up.weight_part1": 8,  # Q4_0 gate, Q8_0 up
+    }  # and no head: F16 stays a float MatMul
+    assert sum(n.op_type == "Concat" and "_part" in n.input[0] for n in model.graph.node) == 2
+    record = manifest.extras["gguf"]
     assert record["tensor_types"] == {"Q4_0": 13, "Q5_0": 1, "Q8_0": 1, "F16": 1, "F32": 5}
+    assert record["became"]["F16"] == "1 float32"
+    assert record["became"]["Q5_0"] == "1 kept in their blocks (MatMulNBits)"
+
+    # The same file dequantized by the gguf package (--precision fp32): the same values in float MatMuls.
+    export_checkpoint(path, tmp_path / "fp32", precision="fp32", graphs="fused")
+    ids = prompt_ids(tmp_path / "art")
+    reference = prefill_logits(session(tmp_path / "fp32"), ids)
+    ours = prefill_logits(session(tmp_path / "art", model=model), ids)
+    assert np.abs(ours - reference).max() <= 1e-4 * max(1.0, np.abs(reference).max())
 
 
 def _sha256(path: Path) -> str:
@@ -215,10 +230,10 @@ def test_quantized_gguf_artifact_generates(qtype, ggufs, capsys):
 
 
 def test_unsupported_architecture_is_one_error_line(store, tmp_path, capsys):
-    path = write_gguf(store.checkpoint("llama"), tmp_path / "phi.gguf", "F32", arch="phi3")
+    path = write_gguf(store.checkpoint("llama"), tmp_path / "rwkv.gguf", "F32", arch="rwkv6")
     code, _, err = run(["export", str(path), "-o", str(tmp_path / "out")], capsys)
-    assert code == 1 and "GGUF architecture 'phi3' is not supported" in error_line(err)
-    assert leftovers(tmp_path) == ["phi.gguf"]
+    assert code == 1 and "GGUF architecture 'rwkv6' is not supported" in error_line(err)
+    assert leftovers(tmp_path) == ["rwkv.gguf"]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
@@ -256,3 +271,36 @@ def test_gguf_tokenizers_encode_and_decode_as_transformers_gguf_loader(kind, sto
         ids = ours.encode(text).ids
         assert ids == reference.encode(text), text
         assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_k_quant_mix_computes_the_files_values_in_its_own_blocks(store, tmp_path):
+    """Q4_K/Q5_K/Q6_K as llama.cpp mixes them: each kept in its own layout (offsets for the
+    asymmetric ones, one MatMulNBits per layout in q|k|v and gate|up, the tied table gathered from
+    the head's blocks), computing the gguf package's dequantized values to float32 rounding."""
+    from gguf_files import write_kquant_gguf
+
+    from llmx.export import export_checkpoint
+
+    path = write_kquant_gguf(tmp_path / "kmix.gguf", store.checkpoint("llama"))
+    manifest = export_checkpoint(path, tmp_path / "art")
+    export_checkpoint(path, tmp_path / "fp32", precision="fp32", graphs="fused")
+    model, nbits = _exact_kernels(tmp_path / "art")
+    layout = {n.input[1].rsplit("_Q", 1)[0]: tuple(a.i for a in n.attribute if a.name in ("bits", "block_size"))
+              for n in nbits}
+    assert layout["model.layers.0.attn.qkv.weight_part0"] == (4, 32)  # Q4_K q|k
+    assert layout["model.layers.0.attn.qkv.weight_part1"] == (8, 16)  # Q6_K v
+    assert layout["model.layers.0.attn.o.weight"] == (8, 32)  # Q5_K
+    assert layout["model.embed.weight"] == (8, 16)  # the tied Q6_K table: the head reads the embedding's blocks
+    inits = {i.name for i in model.graph.initializer}
+    assert "model.layers.0.attn.qkv.weight_part0_offsets" in inits and "model.layers.0.attn.qkv.weight_part1_offsets" not in inits
+    assert {"model.embed.weight_Q8", "model.embed.weight_scales"} <= inits and "model.embed.weight" not in inits
+    assert manifest.extras["gguf"]["became"]["Q4_K"] == "8 kept in their blocks (MatMulNBits)"
+    size = (tmp_path / "art" / "weights.bin").stat().st_size
+    assert size < 1.6 * path.stat().st_size  # float32 scales and offsets beside 4.5-6.6-bit files
+
+    ids = prompt_ids(tmp_path / "art")
+    reference = prefill_logits(session(tmp_path / "fp32"), ids)
+    ours = prefill_logits(session(tmp_path / "art", model=model), ids)
+    assert np.abs(ours - reference).max() <= 1e-4 * max(1.0, np.abs(reference).max())
+    code_path = prefill_logits(session(tmp_path / "art"), ids)  # accuracy_level 4: int8 activations
+    assert np.corrcoef(code_path, reference)[0, 1] > 0.99

@@ -28,6 +28,7 @@ from llmx.export import checkpoint as checkpoint_module
 from llmx.export.checkpoint import load_model, map_weights, open_checkpoint, read_state_dict
 from llmx.export.onnx_export import GRAPHS, export_decoder
 from llmx.export.streaming import stream_weights
+from llmx.export.tensors import CheckpointTensors
 from llmx.runtime.engine import Engine
 from llmx.runtime.sampling import SamplingParams
 from llmx.weight_names import graph_name
@@ -55,7 +56,7 @@ def _export(checkpoint, out, *flags) -> None:
 
 
 def _streamed_arrays(spec, files, tmp_path) -> dict[str, np.ndarray]:
-    weights = stream_weights(spec, files, tmp_path)
+    weights = stream_weights(spec, CheckpointTensors(files), tmp_path)
     return {name: numpy_helper.to_array(t, base_dir=str(tmp_path)) for name, t in weights.tensors.items()}
 
 
@@ -263,7 +264,7 @@ def test_the_estimate_sees_the_shapes_the_export_streams(variant, store):
     """The memory estimate runs the weight rules on header shapes (no torch op, no dynamo import)."""
     from llmx.export.checkpoint import iter_weights
     from llmx.export.memory import weight_shapes
-    from llmx.export.streaming import CheckpointTensors
+    from llmx.export.tensors import CheckpointTensors
 
     checkpoint = open_checkpoint(store.checkpoint(variant))
     streamed = [(role, tensor.numel()) for role, _, tensor in iter_weights(checkpoint.spec,

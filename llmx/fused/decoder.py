@@ -31,6 +31,7 @@ from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold
 from llmx.spec import ModelSpec
 from llmx.artifact.manifest import GraphSpec
 from llmx.weight_names import graph_name, layer_weights, model_weights
+from llmx.fused.embedding import gather_blocks
 from llmx.fused.graph import MS_DOMAIN, GraphBuilder
 from llmx.fused.moe import check_moe_supported, moe_layer
 from llmx.fused.weights import WeightSource
@@ -87,7 +88,10 @@ def build_graph(spec: ModelSpec, w: WeightSource, kind: str, io: GraphSpec, all_
         g.output(t.name, t.dtype, t.shape)
     ctx = _context(g, spec, w, kind)
     names = _names(model_weights(spec))
-    x = g.op1("Gather", [g.weight(w.get(names["embed"])), "input_ids"])
+    if (table := getattr(w, "gathered", {}).get(names["embed"])) is not None:  # a GGUF's quantized table
+        x = gather_blocks(g, table, "input_ids")
+    else:
+        x = g.op1("Gather", [g.weight(w.get(names["embed"])), "input_ids"])
     if spec.position == "learned":
         skip = g.op1("Gather", [g.weight(w.get(names["pos_embed"])), "position_ids"])
     else:
