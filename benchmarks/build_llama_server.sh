@@ -2,17 +2,17 @@
 # llama.cpp's C++ llama-server, built from the llama.cpp vendored in the SAME llama-cpp-python sdist
 # that benchmarks/peers-requirements.txt pins, so the server peer runs the kernels llama-bench runs.
 # Also llama-quantize and llama-bench (the big-export benchmark's peer: convert_hf_to_gguf.py, then
-# quantize, then decode speed) from the same tree. No curl/openssl (the benchmark serves a local
-# GGUF), niced, -j2: the box is shared.
-# Output: benchmarks/.peers-build/{llama-server,llama-quantize,llama-bench} and .peers-build/llama.cpp
+# quantize, then decode speed) and llama-perplexity (the GGUF import check, benchmarks/gguf_import.py)
+# from the same tree. No curl/openssl (the benchmark serves a local GGUF), niced, -j2: the box is shared.
+# Output: benchmarks/.peers-build/{llama-server,llama-quantize,llama-bench,llama-perplexity} and .peers-build/llama.cpp
 # (the source tree, for convert_hf_to_gguf.py and its gguf-py); cached, a rerun is a no-op.
 set -euo pipefail
 cd "$(dirname "$0")"
 VERSION="$(sed -n 's/^llama-cpp-python==\([0-9.]*\).*/\1/p' peers-requirements.txt)"
 BUILD=.peers-build
 BIN="$BUILD/llama-server"
-TOOLS=(llama-server llama-quantize llama-bench)
-if [[ -x "$BIN" && -x "$BUILD/llama-quantize" && -x "$BUILD/llama-bench" && -f "$BUILD/VERSION" && "$(cat "$BUILD/VERSION")" == "$VERSION" ]]; then
+TOOLS=(llama-server llama-quantize llama-bench llama-perplexity)
+if [[ -x "$BIN" && -x "$BUILD/llama-quantize" && -x "$BUILD/llama-bench" && -x "$BUILD/llama-perplexity" && -f "$BUILD/VERSION" && "$(cat "$BUILD/VERSION")" == "$VERSION" ]]; then
   echo "llama-server $VERSION already built: $BIN"; exit 0
 fi
 mkdir -p "$BUILD/src"

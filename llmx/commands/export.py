@@ -50,8 +50,9 @@ def register(cli: click.Group) -> None:
                   help="portable: traced standard ONNX (TensorRT reads it). fused: ONNX Runtime's fused graphs "
                        "(what `llmx optimize` writes). Both stream the weights a tensor at a time. "
                        "Default: fused for w8/w4, else portable.")
-    @click.option("--precision", default="fp32", show_default=True, metavar="fp32|fp16|bf16|w8|w4",
-                  help="Weights as written: w8/w4 quantize each MatMul weight as it streams past "
+    @click.option("--precision", default=None, metavar="fp32|fp16|bf16|w8|w4",
+                  help="Weights as written (default fp32; a quantized GGUF keeps its own blocks, which "
+                       "--precision fp32|fp16|bf16 dequantizes): w8/w4 quantize each MatMul weight as it streams past "
                        "(calibrate --no-search's blocks; no quality report); fp16/bf16 store weights in "
                        "16 bits and lower the portable graphs as `llmx build` does (for GPUs; on CPU, "
                        "ONNX Runtime computes them in fp32).")
@@ -60,7 +61,7 @@ def register(cli: click.Group) -> None:
     @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
     def export(checkpoint: str, output: str, verify: bool, all_logits: bool, graphs: str | None, precision: str,
                block_size: int, force: bool) -> None:
-        """Export a local Hugging Face checkpoint directory to an artifact.
+        """Export a Hugging Face checkpoint (a local directory or a hub id) to an artifact.
 
         \b
         Decoders become prefill.onnx + decode.onnx sharing weights.bin; the tokenizer and a
@@ -70,9 +71,19 @@ def register(cli: click.Group) -> None:
         encoders: bert. Progress goes to stderr, a line per phase with the elapsed time.
 
         \b
-        CHECKPOINT may also be a GGUF file (or a directory holding one): llama and qwen2
-        architectures; Q8_0/Q4_0/Q4_1 weights stay in their blocks (MatMulNBits), other
-        types are dequantized to float32 (docs/export.md).
+        CHECKPOINT may also be a GGUF file (or a directory holding one), e.g. one written by
+        llama.cpp's tools: its quantized weights stay in their own blocks (MatMulNBits, and the
+        embedding looked up from its blocks), streamed a tensor at a time into ONNX Runtime's
+        fused graphs; docs/export.md lists the architectures, pre-tokenizers and quant types.
+
+        \b
+        CHECKPOINT may also be a Hugging Face Hub id, ORG/NAME[@REVISION] (a branch, tag
+        or commit; default main), when no local path of that name exists: only the files
+        export reads are downloaded (config, tokenizer, the safetensors or else the
+        pytorch_model*.bin weights) into the Hugging Face cache (HF_HUB_CACHE or HF_HOME;
+        HF_TOKEN for gated or private repos; with HF_HUB_OFFLINE=1 the cache alone). A GGUF
+        repo takes ORG/NAME[@REVISION]:QUANT as llama.cpp's -hf does: the .gguf whose name
+        has QUANT (case-insensitive; without it Q4_K_M, then Q8_0, then the only one).
 
         \b
         A decoder's export never loads the model: the weights go from the checkpoint to
@@ -84,8 +95,11 @@ def register(cli: click.Group) -> None:
         machine lacks them.
         """
         from llmx.export import export_checkpoint
+        from llmx.hub import resolve_checkpoint
 
         with Progress() as log:
-            manifest = export_checkpoint(checkpoint, output, verify=verify, all_logits=all_logits, force=force,
-                                         graphs=graphs, precision=precision, block_size=block_size, log=log)
+            local = resolve_checkpoint(checkpoint, log)
+            manifest = export_checkpoint(local, output, verify=verify, all_logits=all_logits, force=force,
+                                         graphs=graphs, precision=precision, block_size=block_size, log=log,
+                                         source=None if str(local) == checkpoint else checkpoint)
             log(f"wrote {output} ({manifest.model.family}, {len(manifest.graphs)} graph{'' if len(manifest.graphs) == 1 else 's'})")
