@@ -4,8 +4,9 @@ GGUF stores the vocabulary as token strings, types, scores and (for byte-level B
 this rebuilds the tokenizer they came from, as transformers' GGUF loader does:
 
 - ``tokenizer.ggml.model = "gpt2"``: byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM). The
-  pre-tokenizer's split regex is not in the file, only its name (``tokenizer.ggml.pre``):
-  names llmx knows map to their regex, others are refused rather than guessed.
+  pre-tokenizer's split regexes are not in the file, only its name (``tokenizer.ggml.pre``):
+  each name llama.cpp knows maps to llama.cpp's regexes (gguf_pretokenizers), others are
+  refused rather than guessed.
 - ``"llama"``: SentencePiece BPE (Llama 2, TinyLlama, Mistral): merges recovered from the
   scores, byte fallback through the ``<0xNN>`` pieces, U+2581 standing for spaces.
 
@@ -20,28 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from llmx.errors import CheckpointError
+from llmx.export.gguf_pretokenizers import IGNORE_MERGES, pre_tokenizer
 
-# tokenizer.ggml.pre -> the split regex before byte-level encoding (None: GPT-2's own).
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS: dict[str, str | None] = {"gpt-2": None, "default": None, "llama-bpe": _LLAMA3, "llama3": _LLAMA3,
-                                         "smaug-bpe": _LLAMA3, "qwen2": _QWEN2}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of special tokens
 SPACE = "\u2581"  # SentencePiece's stand-in for a space
-
-
-def _pre_tokenizer(name: str | None):
-    from tokenizers import Regex, pre_tokenizers
-
-    if name not in PRE_TOKENIZERS and name is not None:
-        raise CheckpointError(f"GGUF pre-tokenizer {name!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)})")
-    regex = PRE_TOKENIZERS.get(name)
-    if regex is None:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _byte_level_bpe(field) -> "tokenizers.Tokenizer":
@@ -49,15 +32,19 @@ def _byte_level_bpe(field) -> "tokenizers.Tokenizer":
 
     tokens: list[str] = field("tokenizer.ggml.tokens") or []
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tok.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre"))
+    pre = field("tokenizer.ggml.pre")
+    # llama.cpp takes a piece that is itself a token whole, before any merge, for these names (as Llama 3's
+    # tokenizer.json says with "ignore_merges": true)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               ignore_merges=pre in IGNORE_MERGES))
+    tok.pre_tokenizer = pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
 def _sentencepiece_bpe(field) -> "tokenizers.Tokenizer":
     """Llama/Mistral's SentencePiece BPE: merges recovered from the scores, bytes as <0xNN> pieces."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     tokens: list[str] = field("tokenizer.ggml.tokens") or []
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -66,8 +53,11 @@ def _sentencepiece_bpe(field) -> "tokenizers.Tokenizer":
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(vocab, dict(zip(tokens, scores))),
                                unk_token=tokens[unk] if unk is not None else None, fuse_unk=True, byte_fallback=True))
     prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first" if prefix else "never",
-                                                 split=False)
+    # SentencePiece's own normalization, as llama.cpp applies it: a space before the text (each
+    # run of text between special tokens) and every space as U+2581, so " Hello" is "▁▁Hello"
+    # (two pieces); a Metaspace pre-tokenizer would not prefix text that already starts with one.
+    steps = [normalizers.Prepend(SPACE)] if prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
     return tok
