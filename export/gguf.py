@@ -7,10 +7,11 @@ takes, so a GGUF goes through the same ModelSpec, torch modules and ONNX export 
 checkpoint directory. Quantized tensors are dequantized here; ``gguf_blocks`` keeps the
 Q8_0/Q4_0/Q4_1 ones in their original blocks for MatMulNBits.
 
-llama.cpp's converter permutes the rows of Llama's q and k projections (it applies RoPE to
-interleaved pairs, HF to halves); ``unpermute_rows`` undoes that for the ``llama``
-architecture, as transformers' GGUF loader does. Qwen2 GGUFs are not permuted (llama.cpp
-runs them with NeoX-style RoPE).
+What llama.cpp's converter did to each family's tensors is undone (export/gguf_arch.py has the
+table): q/k rows permuted for the families llama.cpp runs with interleaved RoPE (``llama``,
+``granite``, ``smollm3``; ``unpermute_rows``, as transformers' GGUF loader does), Gemma's norms
+stored as 1 + w, GPT-2's Conv1D weights transposed, MoE experts stacked into one tensor (each
+expert's HF name reads its slice).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmx.errors import CheckpointError, require
-from llmx.export.gguf_arch import ARCHITECTURES
+from llmx.export.gguf_arch import ARCHITECTURES, Arch, float32_decimal, llama3_rope
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 ROPE_SCALING = {"none": None, "linear": "linear", "yarn": "yarn"}
+YARN = {"yarn_attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
 
 
 def gguf_file(path: str | Path) -> Path | None:
@@ -89,18 +91,21 @@ class GGUFSource:
         except (TypeError, ValueError) as exc:  # e.g. per-layer head counts (arrays), which llmx cannot express
             raise CheckpointError(f"GGUF metadata has a value llmx cannot use: {exc}") from exc
 
+    @property
+    def arch(self) -> Arch:
+        return ARCHITECTURES[self.architecture]
+
     def _config(self) -> dict[str, Any]:
-        arch, f = self.architecture, self.field
+        arch, f, table = self.architecture, self.field, self.arch
         need = {key: f(f"{arch}.{key}") for key in ("block_count", "embedding_length", "attention.head_count",
                                                      "feed_forward_length", "context_length")}
         if missing := [k for k, v in need.items() if v is None]:
             raise CheckpointError(f"GGUF metadata lacks {arch}.{missing[0]}")
-        if "rope_freqs.weight" in self.tensors:
-            raise CheckpointError("GGUF has Llama-3-style rope frequency factors (rope_freqs.weight); not supported")
         embed = self._tensor("token_embd.weight")
         heads = int(need["attention.head_count"])
+        experts = f(f"{arch}.expert_count")
         cfg = {
-            "model_type": ARCHITECTURES[arch].family,
+            "model_type": table.moe_family if experts and table.moe_family else table.family,
             "vocab_size": int(embed.shape[1]),  # ggml dims: [hidden, vocab]
             "hidden_size": int(need["embedding_length"]),
             "num_hidden_layers": int(need["block_count"]),
@@ -108,33 +113,56 @@ class GGUFSource:
             "num_key_value_heads": int(f(f"{arch}.attention.head_count_kv", heads)),
             "intermediate_size": int(need["feed_forward_length"]),
             "max_position_embeddings": int(need["context_length"]),
-            "rms_norm_eps": _float32(f(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": _float32(f(f"{arch}.rope.freq_base", 10000.0)),
-            "hidden_act": ARCHITECTURES[arch].hidden_act,
+            "rope_theta": float32_decimal(f(f"{arch}.rope.freq_base", 10000.0)),
+            "hidden_act": table.hidden_act,
             "tie_word_embeddings": "output.weight" not in self.tensors,
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "mlp_bias": "blk.0.ffn_up.bias" in self.tensors,
             "bos_token_id": f("tokenizer.ggml.bos_token_id"),
             "eos_token_id": f("tokenizer.ggml.eos_token_id"),
             "pad_token_id": f("tokenizer.ggml.padding_token_id"),
         }
+        if table.norm == "layer":
+            cfg["layer_norm_eps"] = float32_decimal(f(f"{arch}.attention.layer_norm_epsilon", 1e-5))
+        else:
+            cfg["rms_norm_eps"] = float32_decimal(f(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))
         if (key_length := f(f"{arch}.attention.key_length")) is not None:
             cfg["head_dim"] = int(key_length)
-        for key, theirs in ARCHITECTURES[arch].config.items():
+        if experts:
+            cfg["num_experts"] = int(experts)
+            cfg["num_experts_per_tok"] = int(f(f"{arch}.expert_used_count"))
+            if (expert_ffn := f(f"{arch}.expert_feed_forward_length")) is not None:
+                cfg["moe_intermediate_size"] = int(expert_ffn)
+        for key, theirs in table.config.items():
             if (value := f(f"{arch}.{theirs}")) is not None:
-                cfg[key] = _float32(value) if isinstance(value, float) else value
-        cfg.update(self._rope_scaling())
+                cfg[key] = float32_decimal(value) if isinstance(value, float) else value
+        cfg.update(self._rope_scaling(cfg))
+        if table.extra is not None:
+            table.extra(self, cfg)
         return cfg
 
-    def _rope_scaling(self) -> dict[str, Any]:
+    def _rope_scaling(self, cfg: dict[str, Any]) -> dict[str, Any]:
         arch, f = self.architecture, self.field
         kind = f(f"{arch}.rope.scaling.type", "none")
+        if kind == "longrope" and self.arch.config_tensors:  # Phi-3's factors: its config function reads them
+            return {}
         if kind not in ROPE_SCALING:
             raise CheckpointError(f"GGUF rope scaling {kind!r} is not supported (supported: {', '.join(ROPE_SCALING)})")
+        if "rope_freqs.weight" in self.tensors:  # Llama 3.1/3.2: the llama3 factors, written out
+            if ROPE_SCALING[kind] is not None:
+                raise CheckpointError(f"GGUF has both rope_freqs.weight and {kind} rope scaling; not supported")
+            dim = f(f"{arch}.rope.dimension_count") or cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            scaling = llama3_rope(self.float32("rope_freqs.weight"), cfg["rope_theta"], int(dim))
+            return {"rope_scaling": scaling} if scaling else {}
         if ROPE_SCALING[kind] is None:
             return {}
-        scaling = {"rope_type": ROPE_SCALING[kind], "factor": _float32(f(f"{arch}.rope.scaling.factor", 1.0))}
+        scaling = {"rope_type": ROPE_SCALING[kind], "factor": float32_decimal(f(f"{arch}.rope.scaling.factor", 1.0))}
         if (original := f(f"{arch}.rope.scaling.original_context_length")) is not None:
             scaling["original_max_position_embeddings"] = int(original)
+        if kind == "yarn":  # what the converter copies from HF's yarn parameters, when they were there
+            for ours, theirs in YARN.items():
+                if (value := f(f"{arch}.rope.scaling.{ours}")) is not None:
+                    scaling[theirs] = float32_decimal(value)
         return {"rope_scaling": scaling}
 
     # -- tensors ----------------------------------------------------------------------------
@@ -144,36 +172,57 @@ class GGUFSource:
             raise CheckpointError(f"GGUF lacks tensor {name!r}")
         return self.tensors[name]
 
-    def hf_name(self, name: str) -> str:
+    def weights(self) -> dict[str, tuple[str, int | None]]:
+        """HF name -> (GGUF tensor, index of its slice or None) for every weight in the file."""
+        names, out = self.arch.tensor_names(), {}
+        for name, t in self.tensors.items():
+            if name == "rope_freqs.weight" or name in self.arch.config_tensors:
+                continue  # read into the config
+            hf = self._hf_pattern(name, names)
+            if "{e}" in hf:  # stacked along the first axis (ggml's last dim)
+                out.update({hf.format(e=j): (name, j) for j in range(int(t.shape[-1]))})
+            else:
+                out[hf] = (name, None)
+        return out
+
+    def _hf_pattern(self, name: str, names: dict[str, str]) -> str:
         layer = _LAYER.match(name)
         pattern = _LAYER.sub("blk.{i}.", name) if layer else name
-        names = ARCHITECTURES[self.architecture].tensor_names()
         if pattern not in names:
             raise CheckpointError(f"GGUF tensor {name!r} has no counterpart in a {self.architecture} model")
-        return names[pattern].format(i=layer.group(1) if layer else "")
+        return names[pattern].replace("{i}", layer.group(1) if layer else "")
+
+    def pattern(self, name: str) -> str:
+        return _LAYER.sub("blk.{i}.", name)
 
     def row_heads(self, name: str, heads: int, kv_heads: int) -> int | None:
         """Heads to unpermute ``name``'s rows by (q and k of a family llama.cpp permuted), or None."""
-        if not ARCHITECTURES[self.architecture].permuted:
+        if not self.arch.permuted:
             return None
         return heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
 
-    def float32(self, name: str) -> np.ndarray:
-        """A tensor dequantized to float32 in HF layout ([out, in] for matrices)."""
+    def float32(self, name: str, index: int | None = None) -> np.ndarray:
+        """A tensor (or its ``index``-th slice along the first axis) dequantized to float32 in HF
+        layout ([out, in] for matrices)."""
         quants = require("gguf.quants", "reading GGUF files", "gguf")
         t = self.tensors[name]
-        array = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data = t.data if index is None else t.data[index]
+        array = np.asarray(quants.dequantize(data, t.tensor_type), dtype=np.float32)
         return array if array.flags.writeable else array.copy()  # F32 tensors come as read-only memory maps
 
-    def release(self, name: str) -> None:
-        """Drop ``name``'s pages of the memory-mapped file from the resident set once read: the
-        mapping would otherwise keep every page touched, and a streamed export would end holding
-        the whole file."""
+    def release(self, name: str, index: int | None = None) -> None:
+        """Drop ``name``'s pages (those of its ``index``-th slice) of the memory-mapped file from the
+        resident set once read: the mapping would otherwise keep every page touched, and a
+        streamed export would end holding the whole file."""
         t, mapped = self.tensors[name], getattr(self.reader.data, "_mmap", None)
         if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        begin = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-        mapped.madvise(mmap.MADV_DONTNEED, begin, t.data_offset + t.n_bytes - begin)
+        start, size = t.data_offset, t.n_bytes
+        if index is not None:
+            size //= int(t.shape[-1])
+            start += index * size
+        begin = start // mmap.PAGESIZE * mmap.PAGESIZE
+        mapped.madvise(mmap.MADV_DONTNEED, begin, start + size - begin)
 
     def quant_types(self) -> dict[str, int]:
         """How many tensors the file holds of each GGML type."""
@@ -181,12 +230,6 @@ class GGUFSource:
         for t in self.tensors.values():
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
         return counts
-
-
-def _float32(value: float) -> float:
-    # GGUF stores float32: 1e-6 reads back as 9.99999997e-07. The shortest decimal that is the
-    # same float32 is the value the checkpoint had.
-    return float(str(np.float32(value)))
 
 
 def open_gguf(path: Path) -> GGUFSource:
@@ -207,7 +250,7 @@ class GGUFTensors(Mapping):
 
     def __init__(self, source: GGUFSource, heads: int, kv_heads: int):
         self.source, self.heads, self.kv_heads = source, heads, kv_heads
-        self.by_hf = {source.hf_name(name): name for name in source.tensors}
+        self.by_hf = source.weights()  # HF name -> (GGUF name, slice index or None)
         self.kept: dict[str, str] = {}  # GGUF name -> its type, for the linears kept in their blocks
         self.requantized: dict[str, float] = {}  # GGUF name -> relative RMS error of the second rounding
         self._last: tuple[list[str] | None, Any] = (None, None)
@@ -215,11 +258,12 @@ class GGUFTensors(Mapping):
     def __getitem__(self, hf: str) -> "torch.Tensor":
         import torch
 
-        name = self.by_hf[hf]
-        array = self.source.float32(name)
-        self.source.release(name)
-        if (by := self.source.row_heads(name, self.heads, self.kv_heads)) is not None:
+        name, index = self.by_hf[hf]
+        array = self.source.float32(name, index)
+        self.source.release(name, index)
+        if index is None and (by := self.source.row_heads(name, self.heads, self.kv_heads)) is not None:
             array = unpermute_rows(array, by)
+        array = self.source.arch.undo(self.source.pattern(name), hf, array)
         return torch.from_numpy(np.ascontiguousarray(array))
 
     def __contains__(self, hf) -> bool:
@@ -241,10 +285,15 @@ class GGUFTensors(Mapping):
 
         if self._last[0] == hf_names:  # a tied head, made from the table the embedding was
             return self._last[1]
-        names = [self.by_hf[n] for n in hf_names]
+        found = [self.by_hf[n] for n in hf_names]
+        names = [name for name, _ in found]
         tensors = [self.source.tensors[n] for n in names]
         if any(t.tensor_type.name in FLOAT_TYPES for t in tensors):
             return None
+        arch = self.source.arch
+        if any(index is not None or arch.changes(self.source.pattern(name), hf)
+               for hf, (name, index) in zip(hf_names, found)):
+            return None  # a slice of a stacked tensor, or one the converter changed: read as floats
         parts = []
         for name, t in zip(names, tensors):
             kind = t.tensor_type.name
