@@ -62,9 +62,14 @@ def export_checkpoint(
         graphs, precision = gguf_export_options(checkpoint, graphs, precision or AS_STORED, verify)
         _check_options(graphs, "fp32" if precision == AS_STORED else precision, block_size, verify)
     else:
-        precision = precision or "fp32"
-        graphs = _check_options(graphs, precision, block_size, verify)
-        checkpoint = open_checkpoint(src)
+        from llmx.export.prequantized import is_prequantized, prequantized_checkpoint, prequantized_export_options
+
+        checked = _check_options(graphs, precision or "fp32", block_size, verify)  # before anything is read
+        checkpoint = prequantized_checkpoint(open_checkpoint(src))
+        if is_prequantized(checkpoint):  # GPTQ, AWQ, compressed-tensors: its own blocks (export/prequantized.py)
+            graphs, precision = prequantized_export_options(checkpoint, graphs, precision, verify)
+        else:
+            graphs, precision = checked, precision or "fp32"
     spec = checkpoint.spec
     if spec.kind == "encoder":
         from llmx.export.encoder import read_sentence_config
@@ -138,8 +143,12 @@ def _package_tokenizer(checkpoint, tmp: Path) -> dict:
 def _with_source_record(manifest: Manifest, checkpoint, source: str | None, log: Callable[[str], None]) -> Manifest:
     from llmx.export.gguf_export import finish_gguf_manifest, is_gguf
 
+    from llmx.export.prequantized import finish_prequantized_manifest, is_prequantized
+
     if source is not None:
         manifest.lineage[0].details.update(source=source, path=str(checkpoint.path))
+    if is_prequantized(checkpoint):
+        return finish_prequantized_manifest(manifest, checkpoint, log)
     return finish_gguf_manifest(manifest, checkpoint, log) if is_gguf(checkpoint) else manifest
 
 

@@ -342,8 +342,10 @@ def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor],
         embed = next(row for row in rules["model"] if row[0] == "embed")
         # Transposed in the checkpoint's dtype, as an untied head is: an fp32 table and its fp32
         # transpose side by side would be Qwen3-4B's 3.1 GB at the export's peak.
-        head = made("lm_head", embed[1], "transpose") if embed[2] == "copy" else take(*embed[1:]).t().contiguous()
-        yield "lm_head", declared["lm_head"], head if not isinstance(head, torch.Tensor) else _folded(spec, "lm_head", head)
+        # (made() folds the head's factor in, whether it returns blocks or a tensor)
+        head = made("lm_head", embed[1], "transpose") if embed[2] == "copy" else \
+            _folded(spec, "lm_head", take(*embed[1:]).t().contiguous())
+        yield "lm_head", declared["lm_head"], head
     for i in range(spec.num_layers):
         layer, declared_here = rules["layer_prefix"].format(i=i), layer_weights(spec, i)
         for role, names, how in rules["layer"]:

@@ -66,5 +66,6 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
         details.update(block_size=block_size, symmetric=True, quantized="round-to-nearest blocks as the weights "
                        "streamed past (calibrate --no-search's); no quality report: `llmx calibrate` measures one")
     elif weights.quantized:
-        details.update(quantized="the source's own blocks, not rounded again (extras.gguf says which types)")
+        details.update(quantized="the source's own blocks, not rounded again (extras.gguf or extras.prequantized "
+                       "says which)")
     return with_export_lineage(manifest, str(checkpoint.path), **details)
