@@ -14,10 +14,10 @@ A real chat model nobody on this project wrote: SmolLM2-135M-Instruct as the Q4_
 3. each file goes through `llmx export FILE -o ART` (default flags: the file's own blocks):
    wall time, peak RSS, artifact size / file size, the types it holds and what became of them;
 4. greedy answer to a chat question (ChatML, no system line);
-5. perplexity on held-out English text (CPython's pydoc topics, which neither model was tuned
-   on here) by `llmx eval` (windows of 256, --chunks of them) and by `llama-perplexity -c 256`
-   on the same text, each engine's ratio against its own F32: the two ratios must agree within
-   0.5 % if llmx computes with the file's own values (no second rounding).
+5. perplexity on held-out English text (CPython's pydoc topics, cut to exactly --chunks windows
+   of 256 tokens) by `llmx eval --score-from 128` and by `llama-perplexity -c 256`, which then
+   score the same tokens with the same context; each engine's ratio against its own F32: the two
+   ratios must agree within 0.5 % if llmx computes with the file's own values (no second rounding).
 
 Prints a table, writes benchmarks/results/gguf_import_DATE.json. Runs alone (2 threads each).
 """
@@ -112,8 +112,7 @@ def llama_files(ckpt: Path, work: Path, types: list[str], log) -> dict[str, Path
         (work / "convert.log").write_text(out.stdout + out.stderr)
         if out.returncode:
             sys.exit(f"convert_hf_to_gguf.py failed (see {work / 'convert.log'}):\n{out.stderr[-2000:]}")
-        pre = re.findall(r"tokenizer.ggml.pre[^\n]*", out.stdout + out.stderr)
-        log(f"converter: {pre[-1] if pre else 'no tokenizer.ggml.pre line'}")
+    log(f"converter wrote tokenizer.ggml.pre = {gguf_field(files['F32'], 'tokenizer.ggml.pre')!r}")
     for kind in types:
         if kind == "F32":
             continue
@@ -122,6 +121,13 @@ def llama_files(ckpt: Path, work: Path, types: list[str], log) -> dict[str, Path
             subprocess.run([str(TOOLS / "llama-quantize"), str(files["F32"]), str(files[kind]), kind, "2"],
                            check=True, capture_output=True)
     return {kind: files[kind] for kind in types}
+
+
+def gguf_field(path: Path, key: str):
+    import gguf
+
+    found = gguf.GGUFReader(str(path)).get_field(key)
+    return found.contents() if found is not None else None
 
 
 def measured(cmd: list[str]) -> tuple[subprocess.CompletedProcess, float, float]:
@@ -146,10 +152,18 @@ def llama_ppl(gguf: Path, text: Path, chunks: int) -> float:
     return float(found.group(1))
 
 
-def held_out_text(work: Path) -> Path:
-    topics = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
+def held_out_text(work: Path, art: Path, chunks: int) -> Path:
+    """Exactly ``chunks`` windows of 256 tokens of text, so llmx eval and llama-perplexity score the
+    same tokens: every window, from position 128 on (llama-perplexity's second half of each chunk).
+    The tokenizer is the artifact's (llama-server tokenizes the file identically)."""
+    from llmx.artifact import Artifact
+    from llmx.runtime.tokenizer import Tokenizer
+
+    topics = (Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py").read_text()
+    tokenizer = Tokenizer(Artifact.open(art))
+    ids = tokenizer.encode(topics[:400_000])[: 256 * chunks + 64]
     path = work / "heldout.txt"
-    path.write_text(topics.read_text()[:400_000])
+    path.write_text(tokenizer.decode(ids[: 256 * chunks]))
     return path
 
 
@@ -167,7 +181,7 @@ def main() -> None:
     log(f"source: {source} ({source.stat().st_size / 1e6:.1f} MB)")
     ckpt = hf_checkpoint(source, work / "hf")
     files = llama_files(ckpt, work, args.types.split(","), log)
-    text = held_out_text(work)
+    text = None
     rows = {}
     for kind, gguf in files.items():
         art = work / f"art-{kind}"
@@ -178,11 +192,12 @@ def main() -> None:
             log(f"{kind}: export failed: {rows[kind]['error']}")
             continue
         manifest = json.loads((art / "llmx.json").read_text())
+        text = text or held_out_text(work, art, args.chunks)
         size = sum(f.stat().st_size for f in art.rglob("*") if f.is_file() and f.name != "llmx.json" and "tokenizer" not in f.parts)
         answer = subprocess.run(llmx("generate", str(art), PROMPT, "--temperature", "0", "--max-new-tokens", "24",
                                      "--threads", "2", "--json"), capture_output=True, text=True)
         ppl = subprocess.run(llmx("eval", str(art), "--data", str(text), "--samples", str(args.chunks), "--seq-len", "256",
-                                  "--threads", "2", "--json"), capture_output=True, text=True)
+                                  "--score-from", "128", "--threads", "2", "--json"), capture_output=True, text=True)
         rows[kind] = {
             "file_mb": gguf.stat().st_size / 1e6, "artifact_mb": size / 1e6, "size_ratio": size / gguf.stat().st_size,
             "export_s": wall, "export_peak_gib": peak, "types": manifest["extras"]["gguf"]["became"],
@@ -206,7 +221,8 @@ def main() -> None:
               f"{row['agreement']:+7.2%}  {row['answer'][:40]!r}")
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d_%H%M")
     result = HERE / "results" / f"gguf_import_{stamp}.json"
-    result.write_text(json.dumps({"source": PACKAGE, "chunks": args.chunks, "seq_len": 256, "rows": rows}, indent=2))
+    result.write_text(json.dumps({"source": PACKAGE, "chunks": args.chunks, "seq_len": 256,
+                                  "pre_tokenizer": gguf_field(files["F32"], "tokenizer.ggml.pre"), "rows": rows}, indent=2))
     print(f"wrote {result}")
 
 

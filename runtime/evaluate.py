@@ -57,10 +57,15 @@ def _score(backend, batch: np.ndarray) -> np.ndarray:
     return np.concatenate([head, handoff, tail], axis=1)
 
 
-def perplexity(backend, windows: list[list[int]], progress: Callable[[int], None] = lambda n: None) -> Score:
+def perplexity(backend, windows: list[list[int]], progress: Callable[[int], None] = lambda n: None,
+               score_from: int = 1) -> Score:
+    """``score_from``: the first position of each window scored; those before are context only
+    (llama.cpp's llama-perplexity scores the second half of each window)."""
+    if not 1 <= score_from < len(windows[0] if windows else [0, 0]):
+        raise InputError(f"--score-from {score_from} must be at least 1 and less than the window length")
     score = Score()
     for window, logprobs in zip(windows, window_logprobs(backend, windows)):
-        score.add(logprobs, np.asarray(window[1:]))
+        score.add(logprobs[score_from - 1:], np.asarray(window[score_from:]))
         progress(1)
     return score
 

@@ -52,6 +52,27 @@ def test_eval_json_matches_transformers(store, llama_artifact, engine, text_file
     assert result["perplexity"] == pytest.approx(np.exp(nll), rel=1e-4)
 
 
+def test_score_from_scores_only_the_later_positions(store, llama_artifact, engine, text_file, capsys):
+    """--score-from 16: the first 16 tokens of each window are context (llama-perplexity's second half)."""
+    import transformers
+
+    code, out, err = run(["eval", str(llama_artifact), "--data", str(text_file), "--json", "--seq-len", str(SEQ),
+                          "--samples", "2", "--threads", "1", "--score-from", "16"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["tokens"] == 2 * (SEQ - 16)
+    windows = token_windows(engine.tokenizer, read_text_data(text_file), SEQ)
+    ids = torch.tensor([windows[i] for i in np.linspace(0, len(windows) - 1, 2).round().astype(int)])
+    model = transformers.AutoModelForCausalLM.from_pretrained(store.checkpoint("llama")).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[:, 15:-1].double(), -1)
+    nll = -logprobs.gather(-1, ids[:, 16:, None]).mean().item()
+    assert result["perplexity"] == pytest.approx(np.exp(nll), rel=1e-4)
+    code, _, err = run(["eval", str(llama_artifact), "--data", str(text_file), "--seq-len", str(SEQ),
+                        "--score-from", str(SEQ)], capsys)
+    assert code != 0 and "--score-from" in error_line(err)
+
+
 def test_reference_against_itself_agrees_exactly(llama_artifact, text_file, capsys):
     code, out, err = run(["eval", str(llama_artifact), "--data", str(text_file), "--json", "--seq-len", str(SEQ),
                           "--samples", "2", "--reference", str(llama_artifact)], capsys)
