@@ -54,17 +54,16 @@ def export_checkpoint(
     from llmx.export.memory import check_export_fits
     from llmx.export.tokenizer import package_tokenizer
 
+    checked = _check_options(graphs, precision or "fp32", block_size, verify)  # before anything is read
     if (gguf := gguf_file(src)) is not None:  # a .gguf file, or a directory holding one
         from llmx.export.gguf import gguf_checkpoint
-        from llmx.export.gguf_export import AS_STORED, gguf_export_options
+        from llmx.export.gguf_export import gguf_export_options
 
-        checkpoint = gguf_checkpoint(gguf, keep_blocks=precision is None)
-        graphs, precision = gguf_export_options(checkpoint, graphs, precision or AS_STORED, verify)
-        _check_options(graphs, "fp32" if precision == AS_STORED else precision, block_size, verify)
+        checkpoint = gguf_checkpoint(gguf)
+        graphs, precision = gguf_export_options(checkpoint, graphs, precision, verify)
     else:
         from llmx.export.prequantized import is_prequantized, prequantized_checkpoint, prequantized_export_options
 
-        checked = _check_options(graphs, precision or "fp32", block_size, verify)  # before anything is read
         checkpoint = prequantized_checkpoint(open_checkpoint(src))
         if is_prequantized(checkpoint):  # GPTQ, AWQ, compressed-tensors: its own blocks (export/prequantized.py)
             graphs, precision = prequantized_export_options(checkpoint, graphs, precision, verify)
@@ -142,7 +141,6 @@ def _package_tokenizer(checkpoint, tmp: Path) -> dict:
 
 def _with_source_record(manifest: Manifest, checkpoint, source: str | None, log: Callable[[str], None]) -> Manifest:
     from llmx.export.gguf_export import finish_gguf_manifest, is_gguf
-
     from llmx.export.prequantized import finish_prequantized_manifest, is_prequantized
 
     if source is not None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmx.errors import CheckpointError
+from llmx.errors import CheckpointError, InputError
 from llmx.spec import ModelSpec, spec_from_hf_config
 from llmx.weight_names import layer_weights, model_weights
 
@@ -237,6 +237,33 @@ class Checkpoint:
         return self.reader if self.reader is not None else CheckpointTensors(self.weight_files)
 
 
+def stored_blocks_options(checkpoint: Checkpoint, graphs: str | None, precision: str | None, verify: bool, *,
+                          source: str, label: str, quantized: str) -> tuple[str, str]:
+    """(graphs, precision) for a source that keeps its weights in its own blocks (a GGUF, a GPTQ/AWQ/...
+    checkpoint), ``quantized`` describing its quantization ("" when it has none). No ``precision``:
+    its blocks in fused graphs (``label`` names that precision) where the family has fused kernels;
+    portable graphs or ``verify``: dequantized to fp32; ``--precision fp32|fp16|bf16``: dequantized;
+    w8/w4 of an already quantized source would round twice and are refused. Drops
+    ``checkpoint.stored_blocks`` whenever the weights are to be dequantized."""
+    from llmx.fused.decoder import check_supported
+    from llmx.quant_blocks import BITS
+
+    if precision in BITS and quantized:
+        raise InputError(f"this {source} is already quantized ({quantized}); quantizing it again to {precision} "
+                         "would round twice: export it as it is (no --precision)")
+    if precision is None and graphs != "portable" and not verify and checkpoint.spec.kind == "decoder":
+        try:
+            check_supported(checkpoint.spec)
+        except Exception:  # noqa: BLE001 -- no fused kernel for this family: the traced graphs, dequantized
+            if graphs == "fused":
+                raise
+        else:
+            return "fused", label if quantized else "fp32"
+    checkpoint.stored_blocks = None  # dequantized: every weight read as float32
+    precision = precision or "fp32"
+    return graphs or ("fused" if precision in BITS else "portable"), precision
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
@@ -337,7 +364,7 @@ def iter_weights(spec: ModelSpec, hf: Mapping[str, torch.Tensor],
 
     for role, names, how in [*rules["model"], *head]:
         if role in declared:
-            yield role, declared[role], made(role, names, how) if role in ("lm_head", "embed") else _folded(spec, role, take(names, how))
+            yield role, declared[role], made(role, names, how)
     if tied:  # the unscaled table, transposed
         embed = next(row for row in rules["model"] if row[0] == "embed")
         # Transposed in the checkpoint's dtype, as an untied head is: an fp32 table and its fp32

@@ -21,7 +21,7 @@ from llmx.export.checkpoint import Checkpoint
 from llmx.export.manifest import FP32, decoder_io, decoder_manifest, with_export_lineage
 from llmx.export.streaming import Quantization, stream_weights
 from llmx.fused.decoder import ACTIVATIONS, build_graph, check_supported
-from llmx.quant_blocks import BITS, CPU_ACCURACY_LEVEL, replace_matmuls, weight_only_precision
+from llmx.quant_blocks import BITS, CPU_ACCURACY_LEVEL, replace_matmuls, stored_precision, weight_only_precision
 
 GRAPHS = ("prefill", "decode")
 PRECISIONS = ("fp32", "w8", "w4")
@@ -52,9 +52,7 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
         graph.ort_optimization = None if weights.quantized else "basic"
     if quantization:
         section = weight_only_precision(precision, block_size, symmetric=True)
-    elif weights.quantized:  # the source's own blocks (a GGUF)
-        from llmx.export.gguf_export import stored_precision
-
+    elif weights.quantized:  # the source's own blocks (a GGUF, a GPTQ/AWQ checkpoint)
         section = stored_precision(weights.quantized)
     else:
         section = Precision(**FP32)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import re
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -224,12 +225,9 @@ class GGUFSource:
         begin = start // mmap.PAGESIZE * mmap.PAGESIZE
         mapped.madvise(mmap.MADV_DONTNEED, begin, start + size - begin)
 
-    def quant_types(self) -> dict[str, int]:
+    def quant_types(self) -> Counter:
         """How many tensors the file holds of each GGML type."""
-        counts: dict[str, int] = {}
-        for t in self.tensors.values():
-            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
-        return counts
+        return Counter(t.tensor_type.name for t in self.tensors.values())
 
 
 def open_gguf(path: Path) -> GGUFSource:

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmx.quant_blocks import Blocks, concat_rows, quantize_blocks
+from llmx.quant_blocks import DEFAULT_ZERO_POINT, Blocks, concat_rows, pack_codes, quantize_blocks
 
 QK = 256  # a K-quant super-block
 BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 8,
@@ -93,7 +93,6 @@ BLOCK_SIZE = {t: 16 if t in ("Q2_K", "Q3_K", "Q6_K", "IQ2_S", "IQ2_XS", "IQ1_M",
 EXACT: frozenset[str] = frozenset(BITS)
 ASYMMETRIC: frozenset[str] = frozenset({"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"})  # float zero points
 REQUANTIZED_BITS, REQUANTIZED_BLOCK_SIZE = 4, 32  # ``requantized``'s layout
-_DEFAULT_ZP = {4: 8, 8: 128}
 
 
 # ---- reading GGUF blocks ---------------------------------------------------------------------
@@ -275,23 +274,15 @@ def from_gguf(data: np.ndarray, qtype: str) -> Blocks:
     bits, block = BITS[qtype], BLOCK_SIZE[qtype]
     q = q.reshape(data.shape[0], -1, block)
     if offsets is None:
-        return Blocks(bits, _pack(q + _DEFAULT_ZP[bits], bits), scales.astype(np.float32), None, block)
+        return Blocks(bits, pack_codes(q + DEFAULT_ZERO_POINT[bits], bits), scales.astype(np.float32), None, block)
     # values = scales * q - offsets = (q - offsets / scales) * scales
     dead = scales == 0  # every value is -offset: codes 0, scale 1, z = offset
     q = np.where(dead[..., None], 0, q)
     scales = np.where(dead, np.float32(1), scales).astype(np.float32)
-    return Blocks(bits, _pack(q, bits), scales, (offsets / scales).astype(np.float32), block)
+    return Blocks(bits, pack_codes(q, bits), scales, (offsets / scales).astype(np.float32), block)
 
 
 # ---- the MatMulNBits layout ------------------------------------------------------------------
-
-def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """[N, blocks, block] integer codes -> MatMulNBits bytes (4 bits: element 2j low nibble, 2j+1 high)."""
-    codes = codes.astype(np.uint8)
-    if bits == 8:
-        return np.ascontiguousarray(codes)
-    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
-
 
 def unpack(blocks: Blocks) -> np.ndarray:
     """The codes of ``blocks``, [N, K / block_size, block_size] int16."""
@@ -308,7 +299,7 @@ def zero_points(blocks: Blocks) -> np.ndarray:
     n, nb = blocks.scales.shape
     zp = blocks.zero_points
     if zp is None:
-        return np.full((n, nb), _DEFAULT_ZP[blocks.bits], np.int16)
+        return np.full((n, nb), DEFAULT_ZERO_POINT[blocks.bits], np.int16)
     if zp.dtype != np.uint8:
         return zp.astype(np.float32)
     if blocks.bits == 8:
@@ -328,7 +319,7 @@ def widen(blocks: Blocks, bits: int, block_size: int) -> Blocks:
     4 -> 8 bits keeps each code's distance to its zero point (no zero points: code + 120; float ones
     are kept as they are, the codes too); a smaller block repeats scales and zero points. Integer
     (uint8) zero points are folded into the codes, leaving the default one."""
-    if bits < blocks.bits or bits not in _DEFAULT_ZP:
+    if bits < blocks.bits or bits not in DEFAULT_ZERO_POINT:
         raise ValueError(f"cannot re-express {blocks.bits}-bit blocks exactly at {bits} bits")
     if block_size > blocks.block_size or blocks.block_size % block_size:
         raise ValueError(f"cannot re-express blocks of {blocks.block_size} exactly as blocks of {block_size}")
@@ -337,7 +328,7 @@ def widen(blocks: Blocks, bits: int, block_size: int) -> Blocks:
         return blocks
     q, zp = unpack(blocks), zero_points(blocks)
     if zp.dtype == np.int16:  # integer zero points: move them into the codes where they fit
-        folded = q - zp[..., None] + _DEFAULT_ZP[bits]
+        folded = q - zp[..., None] + DEFAULT_ZERO_POINT[bits]
         if folded.min() >= 0 and folded.max() < 1 << bits:
             q, zp = folded, None
     split = blocks.block_size // block_size
@@ -345,8 +336,8 @@ def widen(blocks: Blocks, bits: int, block_size: int) -> Blocks:
     scales = np.repeat(blocks.scales, split, axis=1)
     zp = None if zp is None else np.repeat(zp, split, axis=1)
     if zp is not None and zp.dtype == np.int16:  # uint8 zero points, packed like the codes
-        zp = zp.astype(np.uint8) if bits == 8 else _pack(np.pad(zp, ((0, 0), (0, zp.shape[1] % 2)))[:, None], 4)[:, 0]
-    return Blocks(bits, _pack(q, bits), scales, zp, block_size)
+        zp = zp.astype(np.uint8) if bits == 8 else pack_codes(np.pad(zp, ((0, 0), (0, zp.shape[1] % 2)))[:, None], 4)[:, 0]
+    return Blocks(bits, pack_codes(q, bits), scales, zp, block_size)
 
 
 def widest(parts: list[Blocks]) -> tuple[int, int]:
@@ -370,7 +361,7 @@ def split_offsets(blocks: Blocks) -> tuple[Blocks, np.ndarray | None]:
     code), codes' = codes - t + default, and offsets = (t - z) * scale (the only rounding, at
     float32's ulp). Integer zero points need no offset."""
     q, zp = unpack(blocks), zero_points(blocks)
-    top, default = (1 << blocks.bits) - 1, _DEFAULT_ZP[blocks.bits]
+    top, default = (1 << blocks.bits) - 1, DEFAULT_ZERO_POINT[blocks.bits]
     if zp.dtype == np.int16:
         return widen(blocks, blocks.bits, blocks.block_size), None
     lo, hi = q.max(axis=-1) - (top - default), q.min(axis=-1) + default
@@ -381,7 +372,7 @@ def split_offsets(blocks: Blocks) -> tuple[Blocks, np.ndarray | None]:
     # (int8 activations at level 4) sees a zero weight there rather than one of any size.
     t = np.where(lowest == q.max(axis=-1), lowest, np.clip(np.round(zp), lo, hi))
     offsets = ((t - zp.astype(np.float64)) * blocks.scales).astype(np.float32)
-    main = Blocks(blocks.bits, _pack(q - t[..., None].astype(np.int16) + default, blocks.bits),
+    main = Blocks(blocks.bits, pack_codes(q - t[..., None].astype(np.int16) + default, blocks.bits),
                   blocks.scales, None, blocks.block_size)
     return main, (offsets if np.any(offsets) else None)
 

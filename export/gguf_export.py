@@ -16,50 +16,24 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from llmx.artifact.manifest import Manifest, Precision, sha256_file
-from llmx.errors import InputError
-from llmx.quant_blocks import BITS, CPU_ACCURACY_LEVEL
+from llmx.artifact.manifest import Manifest, sha256_file
 
 AS_STORED = "gguf"  # the precision a GGUF exports at by default: its own blocks
 
 
-def gguf_export_options(checkpoint, graphs: str | None, precision: str, verify: bool) -> tuple[str, str]:
-    """(graphs, precision) for exporting GGUF ``checkpoint``; refuses what would round twice."""
-    from llmx.fused.decoder import check_supported
+def gguf_export_options(checkpoint, graphs: str | None, precision: str | None, verify: bool) -> tuple[str, str]:
+    """(graphs, precision) for exporting GGUF ``checkpoint`` (``stored_blocks_options``)."""
+    from llmx.export.checkpoint import stored_blocks_options
 
-    quantized = quantized_linears(checkpoint)
-    if precision in BITS and quantized:
-        raise InputError(f"this GGUF is already quantized ({_types(quantized)}); quantizing it again to "
-                         f"{precision} would round twice: export it as it is (no --precision)")
-    if precision == AS_STORED:
-        if graphs == "portable" or verify:
-            # Portable graphs hold no MatMulNBits; --verify compares fp32 graphs with PyTorch.
-            return "portable", "fp32"
-        if graphs is None:
-            try:
-                check_supported(checkpoint.spec)
-            except Exception:  # noqa: BLE001 -- no fused kernel for this family: the traced graphs
-                return "portable", "fp32"
-        return "fused", AS_STORED if quantized else "fp32"
-    return graphs or ("fused" if precision in BITS else "portable"), precision
+    return stored_blocks_options(checkpoint, graphs, precision, verify, source="GGUF", label=AS_STORED,
+                                 quantized=_types(quantized_linears(checkpoint)))
 
 
 def quantized_linears(checkpoint) -> Counter:
     """GGUF type -> count of the file's quantized tensors (its float ones excluded)."""
     from llmx.export.gguf import FLOAT_TYPES
 
-    source = checkpoint.reader.source
-    return Counter(t.tensor_type.name for t in source.tensors.values() if t.tensor_type.name not in FLOAT_TYPES)
-
-
-def stored_precision(quantized: dict) -> Precision:
-    """The precision section of fused graphs holding a GGUF's blocks (``StreamedWeights.quantized``)."""
-    weights = [part for w in quantized.values() for part in (w.parts or [w])]
-    bits = {w.bits for w in weights}
-    sizes = Counter(w.block_size for w in weights)
-    symmetric = all(len(w.tensors) == 2 and w.offsets is None for w in weights)  # no zero points, no offsets
-    return Precision(weights="int4" if 4 in bits else "int8", scheme="w4" if 4 in bits else "w8",
-                     block_size=sizes.most_common(1)[0][0], symmetric=symmetric, accuracy_level=CPU_ACCURACY_LEVEL)
+    return Counter({kind: n for kind, n in checkpoint.reader.source.quant_types().items() if kind not in FLOAT_TYPES})
 
 
 def gguf_record(checkpoint) -> dict:
@@ -67,17 +41,18 @@ def gguf_record(checkpoint) -> dict:
     from llmx.export.gguf import FLOAT_TYPES
 
     tensors = checkpoint.reader
-    types = Counter(t.tensor_type.name for t in tensors.source.tensors.values())
+    types = tensors.source.quant_types()
     kept = Counter(tensors.kept.values())
-    requantized = {kind: max(err for name, err in tensors.requantized.items() if tensors.kept[name] == kind)
-                   for kind in {tensors.kept[name] for name in tensors.requantized}}
+    errors: dict[str, list[float]] = {}  # type -> the requantized tensors' errors
+    for name, err in tensors.requantized.items():
+        errors.setdefault(tensors.kept[name], []).append(err)
     became = {}
     for kind, count in sorted(types.items()):
-        exact = kept[kind] - sum(1 for n in tensors.requantized if tensors.kept[n] == kind)
+        exact = kept[kind] - len(errors.get(kind, []))
         parts = [f"{exact} kept in their blocks (MatMulNBits)"] if exact else []
-        if kind in requantized:
-            parts.append(f"{kept[kind] - exact} requantized to 4-bit blocks (max relative RMS error "
-                         f"{requantized[kind]:.2e})")
+        if kind in errors:
+            parts.append(f"{len(errors[kind])} requantized to 4-bit blocks (max relative RMS error "
+                         f"{max(errors[kind]):.2e})")
         if count - kept[kind]:
             parts.append(f"{count - kept[kind]} " + ("float32" if kind in FLOAT_TYPES else "dequantized to float32"))
         became[kind] = "; ".join(parts)
@@ -103,7 +78,9 @@ def _types(counts: Counter) -> str:
 
 
 def is_gguf(checkpoint) -> bool:
-    return checkpoint.reader is not None and hasattr(checkpoint.reader, "source")
+    from llmx.export.gguf import GGUFTensors
+
+    return isinstance(checkpoint.reader, GGUFTensors)
 
 
 def package_gguf(checkpoint, tmp: Path) -> dict:

@@ -62,13 +62,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from llmx.errors import CheckpointError, InputError
+from llmx.errors import CheckpointError
+from llmx.quant_blocks import DEFAULT_ZERO_POINT
 
 SUPPORTED_TEXT = ("GPTQ (4/8-bit, checkpoint_format gptq or gptq_v2), AWQ (4-bit, version gemm) and "
                   "compressed-tensors pack-quantized (int4/int8 weights, W4A16/W8A16)")
 MAX_BLOCK = 128  # ONNX Runtime takes 16..256; 64-256 ran alike here (4-bit, 2048x8192, level 4)
 BLOCK_SIZES = tuple(b for b in (256, 128, 64, 32, 16) if b <= MAX_BLOCK)
-_DEFAULT_ZP = {4: 8, 8: 128}
 
 
 # ---- one linear, decoded ---------------------------------------------------------------------
@@ -101,7 +101,7 @@ class QuantLinear:
     def zero_points(self) -> np.ndarray:
         if self.zeros is not None:
             return self.zeros
-        return np.full(self.scales.shape, _DEFAULT_ZP[self.bits], np.uint8)
+        return np.full(self.scales.shape, DEFAULT_ZERO_POINT[self.bits], np.uint8)
 
     def dequantized(self) -> np.ndarray:
         """[N, K] float32: each value one exact float32 product (integer difference x scale)."""
@@ -123,17 +123,16 @@ class QuantLinear:
     def blocks(self, block_size: int, zero_points: bool = False):
         """MatMulNBits blocks of ``block_size`` (which ``block_size()`` must allow); ``zero_points``:
         write them even when all are the default (to stack with parts that have others)."""
-        from llmx.export.gguf_blocks import _pack
-        from llmx.quant_blocks import Blocks
+        from llmx.quant_blocks import Blocks, pack_codes
 
         n, k = self.codes.shape
         first = self.g_idx[::block_size]  # each block's group
         scales = np.ascontiguousarray(self.scales[:, first], dtype=np.float32)
-        packed = _pack(self.codes.reshape(n, k // block_size, block_size), self.bits)
+        packed = pack_codes(self.codes.reshape(n, k // block_size, block_size), self.bits)
         zeros = None
         if self.zeros is not None or zero_points:
             z = self.zero_points()[:, first]
-            if zero_points or np.any(z != _DEFAULT_ZP[self.bits]):
+            if zero_points or np.any(z != DEFAULT_ZERO_POINT[self.bits]):
                 zeros = _packed_zero_points(z, self.bits)
         return Blocks(self.bits, packed, scales, zeros, block_size)
 
@@ -450,7 +449,7 @@ class PrequantizedTensors(Mapping):
             run = list(run)
             size = min(_block_size(q) for q in run)
             # Stacked parts share one zero-point input: all write theirs if any has others than the default.
-            zeros = len(run) > 1 and any(q.zeros is not None and np.any(q.zeros != _DEFAULT_ZP[bits]) for q in run)
+            zeros = len(run) > 1 and any(q.zeros is not None and np.any(q.zeros != DEFAULT_ZERO_POINT[bits]) for q in run)
             blocks = concat_rows([q.blocks(size, zero_points=zeros) for q in run])
             runs.append(widen(blocks, bits, size))  # integer zero points folded into the codes where they fit
         self.kept.update(hf_names)
@@ -497,27 +496,13 @@ def method(checkpoint) -> str:
 
 def prequantized_export_options(checkpoint, graphs: str | None, precision: str | None,
                                 verify: bool) -> tuple[str, str]:
-    """(graphs, precision) for exporting a pre-quantized ``checkpoint`` (as a quantized GGUF is):
-    no ``precision``: its own blocks in fused graphs, the precision named after the format ("gptq",
-    "awq", "compressed-tensors"); portable graphs or ``verify``: dequantized to fp32;
-    ``--precision fp32|fp16|bf16``: dequantized; w8/w4 would round twice and are refused. Drops
-    ``checkpoint.stored_blocks`` whenever the weights are to be dequantized."""
-    from llmx.fused.decoder import check_supported
-    from llmx.quant_blocks import BITS
+    """(graphs, precision) for exporting a pre-quantized ``checkpoint`` as a quantized GGUF is
+    (``stored_blocks_options``): its own blocks, the precision named after the format ("gptq",
+    "awq", "compressed-tensors")."""
+    from llmx.export.checkpoint import stored_blocks_options
 
-    if precision in BITS:
-        raise InputError(f"this checkpoint is already quantized ({checkpoint.reader.format.describe()}); quantizing "
-                         f"it again to {precision} would round twice: export it as it is (no --precision)")
-    if precision is None and graphs != "portable" and not verify and checkpoint.spec.kind == "decoder":
-        try:
-            check_supported(checkpoint.spec)
-        except Exception:  # noqa: BLE001 -- no fused kernel for this family: the traced graphs, dequantized
-            if graphs == "fused":
-                raise
-        else:
-            return "fused", method(checkpoint)
-    checkpoint.stored_blocks = None  # dequantized: every weight read as float32
-    return graphs or "portable", precision or "fp32"
+    return stored_blocks_options(checkpoint, graphs, precision, verify, source="checkpoint", label=method(checkpoint),
+                                 quantized=checkpoint.reader.format.describe())
 
 
 def prequantized_record(checkpoint) -> dict:

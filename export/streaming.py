@@ -86,8 +86,9 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
     graph builder to wire the MatMul that ``replace_matmuls`` swaps afterwards. With ``low_dtype``
     (float16 | bfloat16) every weight of rank >= 2 is stored in that dtype, rounded as
     llmx/low_precision.py rounds a graph's weights (``lowered``), and its fp32 entry in
-    ``tensors`` likewise describes it without data. ``stored`` (a GGUF's own blocks, see
-    ``iter_weights``): MatMul weights the source keeps quantized are written as those blocks.
+    ``tensors`` likewise describes it without data. ``stored`` (``Checkpoint.stored_blocks``: a
+    GGUF's or a GPTQ/AWQ checkpoint's own blocks, see ``iter_weights``): MatMul weights the source
+    keeps quantized are written as those blocks.
     """
     if quantization is not None and low_dtype is not None:
         raise ValueError("weights are either quantized or lowered, not both")
@@ -99,9 +100,8 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
     with WeightsFile(out_dir, background=True) as data:
         for role, name, tensor in iter_weights(spec, tensors, stored):
             if isinstance(tensor, (Blocks, StackedBlocks)):
-                shared = shared if shared is not None and shared[0] is tensor else None
-                shared = tensor, _write_blocks(out, data, role, graph_name(name), tensor, shapes[name],
-                                               shared[1] if shared else None)
+                written = shared[1] if shared is not None and shared[0] is tensor else None
+                shared = tensor, _write_blocks(out, data, role, graph_name(name), tensor, shapes[name], written)
                 del tensor
                 continue
             if tuple(tensor.shape) != shapes[name]:

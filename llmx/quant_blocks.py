@@ -23,7 +23,7 @@ from llmx.errors import InputError
 BITS = {"w8": 8, "w4": 4}
 CPU_ACCURACY_LEVEL = 4  # MatMulNBits: compute in INT8 on CPU (genai's CPU default too)
 UNSEARCHED_BLOCK_SIZE = 32  # no quality gate without calibrate's search: the known-safe size (genai's default too)
-_DEFAULT_ZERO_POINT = {8: 128.0, 4: 8.0}
+DEFAULT_ZERO_POINT = {8: 128, 4: 8}  # MatMulNBits' zero point when none is given
 
 
 def check_block_size(block_size: int) -> None:
@@ -61,7 +61,7 @@ class Blocks:
     def float_zero_points(self) -> np.ndarray:
         if self.zero_points is not None:
             return self.zero_points
-        return np.full(self.scales.shape, _DEFAULT_ZERO_POINT[self.bits], dtype=np.float32)
+        return np.full(self.scales.shape, DEFAULT_ZERO_POINT[self.bits], dtype=np.float32)
 
     def scaled(self, scale) -> "Blocks":
         """The weight times a scalar: ``scale`` (a function of a float32 array) applied to the
@@ -118,6 +118,14 @@ class NBitsWeight:
         """``tensors``: the stored ``blocks.arrays()``, in that order."""
         offsets = tensors[-1] if blocks.offsets is not None else None
         return cls(blocks.bits, blocks.block_size, k, blocks.n, tensors[:-1] if offsets is not None else tensors, offsets)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """[N, blocks, block] integer codes -> MatMulNBits bytes (4 bits: element 2j low nibble, 2j+1 high)."""
+    codes = codes.astype(np.uint8)
+    if bits == 8:
+        return np.ascontiguousarray(codes)
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
 
 
 def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, symmetric: bool) -> Blocks:
@@ -228,3 +236,16 @@ def weight_only_precision(scheme: str, block_size: int, symmetric: bool, awq: bo
     """The manifest's ``precision`` section of a w8/w4 (MatMulNBits) artifact."""
     return Precision(weights="int8" if scheme == "w8" else "int4", activations="float32", scheme=scheme,
                      block_size=block_size, symmetric=symmetric, awq=awq, fallback=list(fallback))
+
+
+def stored_precision(quantized: dict[str, NBitsWeight]) -> Precision:
+    """The precision section of fused graphs holding a source's own blocks (a GGUF's, a GPTQ
+    checkpoint's: ``StreamedWeights.quantized``): w4 if any block is 4-bit, the commonest block size."""
+    from collections import Counter
+
+    weights = [part for w in quantized.values() for part in (w.parts or [w])]
+    bits = {w.bits for w in weights}
+    sizes = Counter(w.block_size for w in weights)
+    symmetric = all(len(w.tensors) == 2 and w.offsets is None for w in weights)  # no zero points, no offsets
+    return Precision(weights="int4" if 4 in bits else "int8", scheme="w4" if 4 in bits else "w8",
+                     block_size=sizes.most_common(1)[0][0], symmetric=symmetric, accuracy_level=CPU_ACCURACY_LEVEL)

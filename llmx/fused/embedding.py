@@ -13,9 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmx.fused.graph import GraphBuilder
-from llmx.quant_blocks import NBitsWeight
-
-_DEFAULT_ZERO_POINT = {8: 128.0, 4: 8.0}
+from llmx.quant_blocks import DEFAULT_ZERO_POINT, NBitsWeight
 
 
 def gather_blocks(g: GraphBuilder, weight: NBitsWeight, ids: str) -> str:
@@ -36,7 +34,7 @@ def gather_blocks(g: GraphBuilder, weight: NBitsWeight, ids: str) -> str:
     if zero_points:
         offset = g.op1("Unsqueeze", [g.op1("Gather", [zero_points[0], ids]), last])
     else:
-        offset = g.const(np.array(_DEFAULT_ZERO_POINT[weight.bits], np.float32))
+        offset = g.const(np.array(DEFAULT_ZERO_POINT[weight.bits], np.float32))
     scaled = g.op1("Mul", [g.op1("Sub", [values, offset]), g.op1("Unsqueeze", [g.op1("Gather", [scales, ids]), last])])
     if weight.offsets is not None:  # stored [blocks, n] for the head's MatMul: gather columns
         block_offsets = g.op1("Transpose", [g.op1("Gather", [g.weight(weight.offsets), ids], axis=1)], perm=[1, 2, 0])
