@@ -83,14 +83,17 @@ class EngineBuilder(Protocol):
     def timing_cache_record(self) -> dict: ...
 
 
-def artifact_facts(src: Artifact) -> ArtifactFacts:
+def artifact_facts(src: Artifact, engines: bool = True) -> ArtifactFacts:
+    """What the build decides from. ``engines`` False (``--onnx-only``): fused graphs are welcome,
+    since only ONNX Runtime (``--backend ort-cuda``) will run the converted graphs."""
     manifest = src.manifest
     if manifest.kind != "decoder" or "decode" not in manifest.graphs:
         raise ArtifactError(f"{src.root} is not a decoder artifact with prefill/decode graphs")
     fused = [name for name, g in manifest.graphs.items() if g.ops != "portable"]
-    if fused:
+    if fused and engines:
         raise ArtifactError(f"{src.root}'s {', '.join(fused)} graph uses ONNX Runtime-only fused ops, which TensorRT cannot "
-                            "parse: build from the artifact before `llmx optimize`")
+                            "parse: build from the artifact before `llmx optimize`, or convert it for "
+                            "--backend ort-cuda with --onnx-only")
     decode = src.graph_path("decode")
     qdq = qdq_summary(load_graph(decode), base_dir=src.root) if decode.is_file() else {}
     table = find_calibration_table(src)
@@ -126,11 +129,11 @@ def resolve_precision(requested: str, facts: ArtifactFacts) -> tuple[str, str | 
 
 
 def plan_build(src: str | Path | Artifact, precision: str = "auto", layout: str = "split",
-               limits: BuildLimits = BuildLimits()) -> BuildPlan:
+               limits: BuildLimits = BuildLimits(), engines: bool = True) -> BuildPlan:
     """Everything a build will do, decided before any engine is built (``llmx build --dry-run``)."""
     src = Artifact.of(src)
     manifest = src.manifest
-    facts = artifact_facts(src)
+    facts = artifact_facts(src, engines)
     resolved, convert, int8_source = resolve_precision(precision, facts)
     limits = limits.resolve(manifest.model)
     return BuildPlan(

@@ -177,9 +177,40 @@ def _collect_types(p: _Pass) -> None:
         p.elem[v.name] = v.type.tensor_type.elem_type
     for init in graph.initializer:
         p.elem[init.name] = init.data_type
+    _propagate_types(p, graph)
     missing = [y for n in graph.node for y in n.output if y and y not in p.elem]
     if missing:
         raise ArtifactError(f"shape inference gave no type for {len(missing)} tensors (first: {missing[0]}); cannot convert")
+
+
+# The float32 statistics outputs of ONNX Runtime's norms (mean, inv_std_var): the rest of a
+# contrib op's float outputs take its first input's type (MatMulNBits: A's, GroupQueryAttention:
+# the query's, a skip norm's output and residual sum: the input's), as each op's schema says.
+FLOAT32_STATS = {"LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1,),
+                 "SkipLayerNormalization": (1, 2), "SkipSimplifiedLayerNormalization": (1, 2)}
+
+
+def _propagate_types(p: _Pass, graph) -> None:
+    """Types ONNX's shape inference left out: it stops at ONNX Runtime's contrib ops (the fused
+    graphs' MatMulNBits, GroupQueryAttention, skip norms) and at everything they feed."""
+    onnx = _onnx()
+    opsets = {o.domain: o.version for o in p.model.opset_import}
+    for node in graph.node:  # topologically sorted
+        if all(not y or y in p.elem for y in node.output):
+            continue
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        if domain == "" and onnx.defs.has(node.op_type, domain):
+            schema = onnx.defs.get_schema(node.op_type, opsets.get("", 21), domain)
+            known = {x: onnx.helper.make_tensor_type_proto(p.elem[x], None) for x in node.input if x in p.elem}
+            try:
+                inferred = onnx.shape_inference.infer_node_outputs(schema, node, known, opset_imports=list(p.model.opset_import))
+            except onnx.shape_inference.InferenceError:
+                continue  # left missing: convert_graph names it
+            p.elem.update((y, t.tensor_type.elem_type) for y, t in inferred.items() if t.tensor_type.elem_type)
+        elif node.input and node.input[0] in p.elem:
+            first = p.elem[node.input[0]]
+            stats = FLOAT32_STATS.get(node.op_type, ())
+            p.elem.update((y, p.FLOAT if i in stats else first) for i, y in enumerate(node.output) if y and y not in p.elem)
 
 
 def _seed_states(p: _Pass) -> None:
@@ -217,8 +248,9 @@ def _convert_node(p: _Pass, node) -> None:
     mode = _mode(p, node, floats_in)
     for i in floats_in:
         node.input[i] = p.as_state(node.input[i], mode)
+    stats = {node.output[i] for i in FLOAT32_STATS.get(node.op_type, ()) if i < len(node.output)}
     for y in floats_out:
-        p.states[y] = mode
+        p.states[y] = FP32 if y in stats else mode
 
 
 def _mode(p: _Pass, node, floats_in: list[int]) -> str:
@@ -283,7 +315,9 @@ def lowered_precision(precision, dtype: str, weights: bool = True):
     the float math runs in it and, unless they stay int8 Q/DQ (``weights`` False), so do the
     weights and activations."""
     if weights:
-        precision = dataclasses.replace(precision, weights=dtype, activations=dtype)
+        # w8/w4 blocks (MatMulNBits) keep their integers: their scales and activations go low
+        stored = precision.weights if precision.weights in ("int8", "int4") else dtype
+        precision = dataclasses.replace(precision, weights=stored, activations=dtype)
     return dataclasses.replace(precision, compute_dtype=dtype)
 
 

@@ -154,6 +154,42 @@ def test_onnx_only_fp16_artifact_generates_the_same_greedy_tokens_on_cpu(store, 
     assert (out / "weights.bin").stat().st_size < 0.6 * (src / "weights.bin").stat().st_size
 
 
+def test_fused_w4_graphs_convert_to_fp16_activations_keeping_their_blocks(store, tmp_path, capsys):
+    """--onnx-only takes ONNX Runtime's fused graphs (ort-cuda runs them): MatMulNBits keeps its
+    4-bit codes, its scales and the activations, KV cache and GroupQueryAttention go fp16, the
+    first norm stays fp32, and greedy decoding on the CPU matches the float32-activation graphs."""
+    from llmx.cli import main
+    from llmx.runtime.engine import Engine
+
+    src, w4, out = store.checkpoint("llama"), tmp_path / "w4", tmp_path / "w4-fp16"
+    main(["export", str(src), "-o", str(w4), "--precision", "w4"])
+    main(["build", str(w4), "-o", str(out), "--onnx-only", "--precision", "fp16"])
+    capsys.readouterr()
+    manifest = json.loads((out / "llmx.json").read_text())
+    assert manifest["kv"]["dtype"] == "float16" and manifest["graphs"]["decode"]["ops"] == "onnxruntime"
+    precision = manifest["precision"]
+    assert (precision["weights"], precision["activations"], precision["scheme"]) == ("int4", "float16", "w4")
+    graph = onnx.load(out / "decode.onnx", load_external_data=False)
+    dtypes = float_dtypes(graph)
+    inits = {i.name: i.data_type for i in graph.graph.initializer}
+    by_op = collections.defaultdict(list)
+    for node in graph.graph.node:
+        by_op[node.op_type].append(node)
+    assert by_op["MatMulNBits"] and all(inits[n.input[1]] == TensorProto.UINT8 and inits[n.input[2]] == TensorProto.FLOAT16
+                                        for n in by_op["MatMulNBits"])
+    assert all(dtypes.get(n.input[3]) == "float16" for n in by_op["GroupQueryAttention"])  # the past KV inputs
+    assert dtypes["logits"] == "float32"
+    tokens, logits = [], []
+    for art in (w4, out):
+        main(["generate", str(art), "def fibonacci(n):", "--temperature", "0", "--max-new-tokens", "16", "--ignore-eos", "--json"])
+        tokens.append(json.loads(capsys.readouterr().out)["token_ids"])
+        backend = Engine.load(art).backend
+        logits.append(np.array(backend.prefill(backend.new_cache(1, 8), [0], [[5, 9, 23, 7]]), np.float32))
+    assert tokens[0] == tokens[1]
+    assert np.abs(logits[1] - logits[0]).max() <= 2e-2 * np.abs(logits[0]).max()
+    assert (out / "weights.bin").stat().st_size < (w4 / "weights.bin").stat().st_size  # scales and norms halve
+
+
 def test_control_flow_is_refused():
     then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [], [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1])])
     graph = helper.make_graph(

@@ -288,8 +288,10 @@ def test_build_refuses_graphs_with_onnxruntime_only_ops(llama_artifact, tmp_path
     data = json.loads((src / "llmx.json").read_text())
     data["graphs"]["decode"]["ops"] = "onnxruntime"  # what `llmx optimize` writes: com.microsoft fused ops
     (src / "llmx.json").write_text(json.dumps(data))
-    code, _, err = run(["build", str(src), "-o", str(tmp_path / "trt"), "--onnx-only"], capsys)
-    assert code != 0 and "build from the artifact before `llmx optimize`" in error_line(err)
+    code, _, err = run(["build", str(src), "-o", str(tmp_path / "trt")], capsys)
+    line = error_line(err)
+    assert code != 0 and "build from the artifact before `llmx optimize`" in line and "--onnx-only" in line
+    assert list(tmp_path.iterdir()) == [src]  # --onnx-only converts them (for ort-cuda): test_precision.py
 
 
 def test_build_bad_options_are_one_error_line(llama_artifact, tmp_path, capsys):

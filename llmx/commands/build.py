@@ -35,7 +35,8 @@ def register(cli: click.Group) -> None:
                   help="Timing cache file to reuse and update (default: one per TensorRT version and GPU under ~/.cache/llmx).")
     @click.option("--opt-level", type=click.IntRange(0, 5), default=None, help="TensorRT builder optimization level.")
     @click.option("--device", type=click.IntRange(min=0), default=0, show_default=True, help="GPU index.")
-    @click.option("--onnx-only", is_flag=True, help="Write the converted graphs without engines (no TensorRT needed).")
+    @click.option("--onnx-only", is_flag=True, help="Write the converted graphs without engines (no TensorRT needed); "
+                  "takes fused (w8/w4, optimized) graphs too, for --backend ort-cuda.")
     @click.option("--dry-run", is_flag=True, help="Print the build plan (precision, engines, profiles) as JSON and stop.")
     @force_option
     def build(artifact, output, precision, layout, max_batch, max_seq_len, max_decode_tokens, prefill_chunk, opt_batch,
@@ -51,7 +52,7 @@ def register(cli: click.Group) -> None:
 
         artifact = Artifact.open(artifact)
         limits = BuildLimits(max_batch, max_seq_len, max_decode_tokens, prefill_chunk, opt_batch)
-        plan = plan_build(artifact, precision, layout, limits)
+        plan = plan_build(artifact, precision, layout, limits, engines=not onnx_only)
         if dry_run:
             text = json.dumps(plan.to_dict(), indent=2)  # shapes on one line each: [1, 128]
             click.echo(re.sub(r"\[\s*((?:-?\d+,\s*)*-?\d+)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text))
