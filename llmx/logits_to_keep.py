@@ -46,11 +46,16 @@ def slice_nodes(hidden: str, kept: str) -> tuple[list["onnx.NodeProto"], list["o
     and k > T keep every position."""
     from onnx import helper, numpy_helper
 
-    one, end = f"{kept}/one", f"{kept}/end"  # [1] is both the axis and the shape of starts
+    one, end = f"{kept}/one", f"{kept}/end"  # [1] is the axis
     constants = [numpy_helper.from_array(np.array([1], np.int64), one), numpy_helper.from_array(np.array([_END], np.int64), end)]
+    # start = [batch] - [batch] - k = [-k]: derived from a Shape output so that ONNX Runtime's CUDA
+    # provider keeps it on the host, where Slice reads its starts. Computed from the input alone,
+    # it would run on the GPU and be copied back every step, a copy that bars CUDA-graph capture
+    # (measured on an H100: ort_cuda_graph.py refused every portable decode graph).
     nodes = [
-        helper.make_node("Neg", [NAME], [f"{kept}/neg"]),
-        helper.make_node("Reshape", [f"{kept}/neg", one], [f"{kept}/start"]),  # [] -> [1]
+        helper.make_node("Shape", [hidden], [f"{kept}/batch"], end=1),
+        helper.make_node("Sub", [f"{kept}/batch", f"{kept}/batch"], [f"{kept}/zero"]),
+        helper.make_node("Sub", [f"{kept}/zero", NAME], [f"{kept}/start"]),  # [1] - [] -> [1]
         helper.make_node("Slice", [hidden, f"{kept}/start", end, one], [kept]),
     ]
     return nodes, constants

@@ -11,8 +11,12 @@ price is that every input and output must stay at one device address with one sh
   (masked slots get zero weight), with attention over more slots than the context holds;
 - one graph per (cache buffers, rows, tokens, capacity): a cache that grows gets new graphs.
 
-Only graphs whose every node runs on the GPU can be captured: the portable graphs can; the
-fused (optimized) graphs keep shape arithmetic on the CPU, and ONNX Runtime refuses them.
+ONNX Runtime captures a graph only if no step copies between host and GPU: shape arithmetic may
+run on the CPU (the CUDA provider leaves int64 math fed by Shape outputs there), but a value
+computed on the GPU and read on the host (a Slice's starts, say) inserts a Memcpy and is refused.
+The portable graphs qualify (llmx/logits_to_keep.py keeps its slice start on the host for this);
+the fused (optimized) graphs do not. Where capture is refused and was not asked for by name, the
+backend decodes with plain steps.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class CudaGraphDecode:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
         except Exception as exc:
             raise ArtifactError(f"ONNX Runtime cannot capture {path.name} as a CUDA graph: {str(exc).splitlines()[0]} "
-                                "(fused graphs keep shape arithmetic on the CPU; use the portable artifact)") from exc
+                                "(a value computed on the GPU is copied to the host inside the step)") from exc
         self.ort, self.device, self.device_type, self.device_index = ort, device, device_type, device_index
         self.vocab_size, self.bind_kv = vocab_size, bind_kv
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()

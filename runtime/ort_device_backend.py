@@ -17,6 +17,7 @@ graph's checksum.
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from llmx.runtime.onnx_backend import PROVIDERS, _ort, session_options
 from llmx.runtime.ort_cuda_graph import CudaGraphDecode
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 
+log = logging.getLogger(__name__)
 GPU_HINT = "pip install 'llmx[gpu]' instead of 'llmx[cpu]' (onnxruntime-gpu; the two cannot be installed together)"
 
 
@@ -82,7 +84,14 @@ class OrtDeviceBackend:
         self.past_names, self.present_names = kv.past_names(), kv.present_names()
         opts = session_options(threads, optimization, spin=spin)  # CPU threads run the nodes the GPU providers leave
         self.sessions = {"prefill": self._session(ort, "prefill", provider, opts, workspace_bytes)}
-        self.cuda_graph = self._captured_decode(ort, provider, opts) if self._wants_cuda_graph(provider, cuda_graph) else None
+        self.cuda_graph = None
+        if self._wants_cuda_graph(provider, cuda_graph):
+            try:
+                self.cuda_graph = self._captured_decode(ort, provider, opts)
+            except ArtifactError as exc:
+                if cuda_graph:  # asked for by name: say why it cannot be had
+                    raise
+                log.warning("%s; decoding with plain steps", exc)
         self.sessions["decode"] = self.cuda_graph.session if self.cuda_graph else self._session(
             ort, "decode", provider, opts, workspace_bytes)
         self.limit = manifest.engine_limits.max_seq_len if provider == "tensorrt" else manifest.max_seq_len

@@ -210,6 +210,27 @@ def test_cuda_graphs_are_refused_for_fused_graphs(llama_artifact, device, tmp_pa
     assert OrtDeviceBackend(Artifact.open(optimized), provider="cpu", threads=1).cuda_graph is None
 
 
+def test_a_refused_capture_decodes_with_plain_steps_unless_asked_for_by_name(llama_artifact, device, monkeypatch, caplog):
+    """ONNX Runtime refuses to capture a step that copies between host and GPU (seen on an H100):
+    the default then falls back to plain steps with one warning; --cuda-graph by name fails."""
+    from llmx.errors import ArtifactError
+    from llmx.runtime import ort_device_backend
+    from llmx.runtime.ort_device_backend import OrtDeviceBackend
+
+    def refused(*args, **kwargs):
+        raise ArtifactError("ONNX Runtime cannot capture decode.onnx as a CUDA graph: (a copy)")
+
+    monkeypatch.setattr(OrtDeviceBackend, "_wants_cuda_graph", lambda self, provider, requested: True)
+    monkeypatch.setattr(ort_device_backend, "CudaGraphDecode", refused)
+    with caplog.at_level("WARNING"):
+        backend = OrtDeviceBackend(Artifact.open(llama_artifact), provider="cpu", threads=1)
+    assert backend.cuda_graph is None and "plain steps" in caplog.text
+    cache = backend.new_cache(1, 16)
+    assert backend.prefill(cache, [0], [[5, 9, 23]]).shape[-1] == backend.vocab_size
+    with pytest.raises(ArtifactError, match="cannot capture"):
+        OrtDeviceBackend(Artifact.open(llama_artifact), provider="cpu", threads=1, cuda_graph=True)
+
+
 def test_ort_cuda_with_gpu_onnxruntime_but_no_gpu_is_a_clear_error(llama_artifact, monkeypatch):
     import onnxruntime
 

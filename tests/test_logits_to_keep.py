@@ -75,6 +75,29 @@ def test_portable_graph_slices_before_the_lm_head(artifacts):
     assert producer.op_type == "Slice"
 
 
+def host_values(graph) -> set[str]:
+    """What ONNX Runtime's CUDA provider computes on the host (its CPU fallback for shape math):
+    Shape outputs, and the outputs of nodes that read one of those and otherwise only host
+    values, initializers or graph inputs (onnxruntime/core/framework/fallback_cpu_capability.cc)."""
+    host = {o for n in graph.node if n.op_type == "Shape" for o in n.output}
+    fixed = {i.name for i in graph.initializer} | {i.name for i in graph.input}
+    for node in graph.node:  # topologically sorted
+        inputs = [x for x in node.input if x]
+        if node.op_type != "Shape" and any(x in host for x in inputs) and all(x in host or x in fixed for x in inputs):
+            host.update(node.output)
+    return host
+
+
+@pytest.mark.parametrize("kind", ["portable", "optimized"])
+def test_the_slice_start_stays_on_the_host_so_cuda_graphs_can_capture_the_step(kind, artifacts):
+    """A start computed on the GPU is copied to the host every step, and ONNX Runtime refuses to
+    capture a step with a copy in it (seen on an H100: every portable decode graph was refused)."""
+    graph = onnx.load(str(artifacts["llama", kind] / "decode.onnx"), load_external_data=False).graph
+    start = next(n.output[0] for n in graph.node if logits_to_keep.NAME in n.input)
+    kept = next(n for n in graph.node if n.op_type == "Slice" and n.input[1] == start)
+    assert kept.input[1] in host_values(graph)
+
+
 @pytest.mark.parametrize("kind", ["portable", "optimized"])
 def test_single_prompt_prefill_keeps_only_the_last_position(kind, artifacts):
     artifact = artifacts["llama", kind]
