@@ -110,7 +110,8 @@ def _jsonl_documents(text: str, path: Path) -> list[Document]:
 
 
 def token_windows(tokenizer, data: TextData, seq_len: int) -> list[list[int]]:
-    """Cut the tokenized documents (joined by EOS) into full windows of ``seq_len`` tokens."""
+    """Cut the tokenized documents (joined by EOS) into full windows of ``seq_len`` tokens, each
+    starting with what the tokenizer puts before a prompt (``start_tokens``)."""
     if seq_len < MIN_SEQ_LEN:
         raise InputError(f"--seq-len must be at least {MIN_SEQ_LEN}, got {seq_len}")
     eos = tokenizer.eos_token_ids[:1]
@@ -118,9 +119,20 @@ def token_windows(tokenizer, data: TextData, seq_len: int) -> list[list[int]]:
     for doc in data.documents:
         stream.extend(tokenizer.encode(doc.text, add_special_tokens=False))
         stream.extend(eos)
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    body = seq_len - len(bos)
-    return [bos + stream[i : i + body] for i in range(0, len(stream) - body + 1, body)]
+    start = start_tokens(tokenizer)
+    body = seq_len - len(start)
+    return [start + stream[i : i + body] for i in range(0, len(stream) - body + 1, body)]
+
+
+def start_tokens(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before any text: BOS for Llama-style tokenizers,
+    none for GPT-2-style ones or a GGUF whose ``add_bos_token`` is false. Windows start as the
+    model's prompts do, which is also what llama-perplexity scores (a BOS the model never sees
+    in use shifts every window by a token: +0.9 % perplexity on a Q4_0 SmolLM2 file)."""
+    probe = "a"
+    plain, full = tokenizer.encode(probe, add_special_tokens=False), tokenizer.encode(probe, add_special_tokens=True)
+    at = next((k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain), 0)
+    return full[:at]
 
 
 def split_windows(windows: list[list[int]], seq_len: int, samples: int, eval_samples: int,

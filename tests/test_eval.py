@@ -149,6 +149,30 @@ def test_jsonl_and_folder_give_the_same_windows(engine, tmp_path):
     assert sum(w.count(eos) for w in from_jsonl) >= 1  # documents are joined by end-of-sequence
 
 
+class WordTokenizer:
+    """Whitespace words as ids, with or without a BOS the tokenizer adds (GPT-2-style and
+    SentencePiece-style GGUFs differ here: tokenizer.ggml.add_bos_token)."""
+
+    eos_token_ids, bos_token_id = [2], 1
+
+    def __init__(self, adds_bos: bool):
+        self.adds_bos = adds_bos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [10 + len(word) for word in text.split()]
+        return [1, *ids] if add_special_tokens and self.adds_bos else ids
+
+
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_windows_start_as_the_tokenizer_starts_a_prompt(adds_bos, tmp_path):
+    """A BOS the tokenizer never adds is not scored either (llama-perplexity does the same)."""
+    (tmp_path / "t.txt").write_text("one two three four five six seven eight nine ten eleven twelve " * 4)
+    windows = token_windows(WordTokenizer(adds_bos), read_text_data(tmp_path / "t.txt"), 16)
+    assert windows and all(len(w) == 16 for w in windows)
+    assert all((w[0] == 1) == adds_bos for w in windows)
+    assert sum(w.count(1) for w in windows) == (len(windows) if adds_bos else 0)
+
+
 def test_held_out_split_is_the_deterministic_tail():
     windows = [[i] * 8 for i in range(50)]
     split = split_windows(windows, 8, samples=7, eval_samples=100)
