@@ -40,7 +40,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import big_export  # noqa: E402
-from gpu_verify import GPU, greedy, record  # noqa: E402
+from gpu_verify import GPU, greedy, median_rows, print_rows, record  # noqa: E402
 
 LLMX = [sys.executable, "-m", "llmx.cli"]
 GENAI_EP = "cpu" if GPU == "ort-cpu" else "cuda"
@@ -169,18 +169,9 @@ def speed(work: Path, rounds: int, prompt_len: int, new_tokens: int) -> None:
                     r = dict(error=f"{type(exc).__name__}: {str(exc)[:300]}")
                 samples.setdefault((label, batch), []).append(r)
                 print(label, batch, r, flush=True)
-    rows = []
-    for (label, batch), runs in samples.items():
-        ok = [r for r in runs if "error" not in r]
-        if not ok:
-            rows.append(dict(engine=label, batch=batch, error=runs[0]["error"]))
-            continue
-        rows.append(dict(engine=label, batch=batch, ttft_ms=statistics.median(r["ttft_ms"] for r in ok),
-                         decode_tok_s=statistics.median(r["decode_tok_s"] for r in ok), rounds=len(ok)))
+    rows = median_rows(samples)
     record(work, "speed", dict(prompt_len=prompt_len, new_tokens=new_tokens, rows=rows))
-    print(f"{'engine':36} {'batch':>5} {'TTFT ms':>9} {'decode tok/s':>13}")
-    for r in sorted(rows, key=lambda r: (r["batch"], r["engine"])):
-        print(f"{r['engine']:36} {r['batch']:>5} {r.get('ttft_ms', '-')!s:>9} {r.get('decode_tok_s', r.get('error', '-'))!s:>13}")
+    print_rows(rows)
 
 
 def compare(cpu_art: Path, gpu_art: Path, steps: int) -> dict:

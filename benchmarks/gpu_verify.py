@@ -223,6 +223,13 @@ def speed(work: Path, rounds: int, prompt_len: int, new_tokens: int) -> None:
             for dtype, model in models.items():
                 label = f"transformers {str(dtype).split('.')[-1].replace('float', 'fp')}"
                 samples.setdefault((label, batch), []).append(torch_bench(model, batch, prompt_len, new_tokens))
+    rows = median_rows(samples)
+    record(work, "speed", dict(prompt_len=prompt_len, new_tokens=new_tokens, gpu=torch.cuda.get_device_name(), rows=rows))
+    print_rows(rows)
+
+
+def median_rows(samples: dict[tuple[str, int], list[dict]]) -> list[dict]:
+    """One row per (engine, batch): medians over the rounds that ran, or the first error."""
     rows = []
     for (label, batch), runs in samples.items():
         ok = [r for r in runs if "error" not in r]
@@ -231,10 +238,13 @@ def speed(work: Path, rounds: int, prompt_len: int, new_tokens: int) -> None:
             continue
         rows.append(dict(engine=label, batch=batch, ttft_ms=round(statistics.median(r["ttft_ms"] for r in ok), 3),
                          decode_tok_s=round(statistics.median(r["decode_tok_s"] for r in ok), 1), rounds=len(ok)))
-    record(work, "speed", dict(prompt_len=prompt_len, new_tokens=new_tokens, gpu=torch.cuda.get_device_name(), rows=rows))
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
     print(f"{'engine':36} {'batch':>5} {'TTFT ms':>9} {'decode tok/s':>13}")
-    for r in rows:
-        print(f"{r['engine']:36} {r['batch']:>5} {r.get('ttft_ms', '-'):>9} {r.get('decode_tok_s', r.get('error', '-'))!s:>13}")
+    for r in sorted(rows, key=lambda r: (r["batch"], r["engine"])):
+        print(f"{r['engine']:36} {r['batch']:>5} {r.get('ttft_ms', '-')!s:>9} {r.get('decode_tok_s', r.get('error', '-'))!s:>13}")
 
 
 # -- serve: aggregate throughput of concurrent streams ---------------------------------------------
