@@ -26,7 +26,7 @@ class BaseService:
     """
 
     kind = "decoder"
-    endpoints = ("/v1/completions", "/v1/chat/completions")
+    endpoints = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
     def __init__(self, worker, model_name: str, api_key: str | None = None, keepalive_s: float = 10.0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
@@ -91,6 +91,9 @@ class BaseService:
 
     def generate(self, raw: bytes, chat: bool, client_gone: Callable[[], bool] | None = None):
         raise self.wrong_kind("/v1/chat/completions" if chat else "/v1/completions")
+
+    def respond(self, raw: bytes, client_gone: Callable[[], bool] | None = None):
+        raise self.wrong_kind("/v1/responses")
 
     def embed(self, raw: bytes):
         raise self.wrong_kind("/v1/embeddings")

@@ -21,6 +21,8 @@ from llmx.runtime.params import (MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Chec
                                  integer, invalid, prompt_room, text)
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
+from llmx.serve.reasoning import Reasoning
+from llmx.serve.reasoning import detect_format as detect_reasoning
 from llmx.serve.tool_calls import ToolFormat, detect_format
 from llmx.serve.tool_request import ToolRequest, assistant_calls, tool_request, tool_result, with_tools
 
@@ -177,6 +179,7 @@ CHAT = {
     "tools": (lambda v, n: v, None),  # checked by tool_request
     "tool_choice": (lambda v, n: v, None),
     "parallel_tool_calls": (boolean, None),
+    "chat_template_kwargs": (lambda v, n: v, None),  # checked by template_kwargs
 }
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -195,6 +198,7 @@ class Job:
     logprobs: int | None  # top alternatives per token, when logprobs were asked for
     beam: list[BeamParams] | None = None  # use_beam_search: one per prompt (its n choices are the best n beams)
     tools: ToolRequest | None = None  # chat with tools: replies are parsed for calls
+    reasoning: Reasoning | None = None  # chat with a thinking template: replies are split (serve/reasoning.py)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -290,16 +294,36 @@ def message_text(content: Any, name: str) -> str:
     return text(content, name)
 
 
-def parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: ToolFormat | None = None) -> Job:
+# What the template is called with by llmx itself: a request's chat_template_kwargs may not replace it.
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
+
+def template_kwargs(value: Any) -> dict:
+    """A request's extra chat-template variables (e.g. Qwen3's enable_thinking), as vLLM takes them."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid_field("chat_template_kwargs", "an object", value)
+    taken = sorted(set(value) & set(TEMPLATE_OWN))
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {taken[0]!r}: the server sets it",
+                          param="chat_template_kwargs")
+    return value
+
+
+def parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: ToolFormat | None = None,
+              reasoning_format: str = "auto") -> Job:
     """Check a request body against the engine it will run on; raise ApiError on anything wrong.
-    ``tool_format``: how this model writes tool calls (default: read from its chat template)."""
+    ``tool_format``: how this model writes tool calls (default: read from its chat template);
+    ``reasoning_format``: "auto" splits reasoning from answers where the template thinks, "none" never."""
     try:
-        return _parse_job(raw, chat, engine, served_model, tool_format)
+        return _parse_job(raw, chat, engine, served_model, tool_format, reasoning_format)
     except ParamError as exc:
         raise from_param(exc) from None
 
 
-def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: ToolFormat | None) -> Job:
+def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: ToolFormat | None,
+               reasoning_format: str = "auto") -> Job:
     f = check_fields(parse_body(raw), CHAT if chat else COMPLETION)
     if f["model"] is not None and f["model"] != served_model:
         raise ApiError(404, f"The model '{f['model']}' does not exist; this server serves '{served_model}'",
@@ -316,13 +340,15 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
             raise bad_request("'messages' is required", param="messages")
         messages = chat_messages(f["messages"])
         tools = tool_request(f, tool_format or detect_format(engine.tokenizer.chat_template))
-        rendered = rendered_chat(engine.tokenizer, messages, engine.max_seq_len,
+        rendered = rendered_chat(engine.tokenizer, messages, engine.max_seq_len, **template_kwargs(f["chat_template_kwargs"]),
                                  **({"tools": tools.template_tools()} if tools else {}))
         prompts = [engine.tokenizer.encode(rendered, add_special_tokens=False)]
+        thinks = detect_reasoning(engine.tokenizer.chat_template) if reasoning_format == "auto" else None
+        reasoning = Reasoning.for_prompt(thinks, rendered)
         logprobs = (f["top_logprobs"] or 0) if f["logprobs"] else None
         max_tokens = f["max_completion_tokens"] or f["max_tokens"]
     else:
-        tools = None
+        tools = reasoning = None
         if f["prompt"] is None:
             raise bad_request("'prompt' is required", param="prompt")
         prompts = prompt_ids(f["prompt"], engine.tokenizer, engine.manifest.model.vocab_size, engine.max_seq_len)
@@ -342,7 +368,7 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
             raise bad_request("'tools' and a response format do not combine: tool calls have their own grammar",
                               param="tools", code="unsupported_parameter")
         params = with_tools(params, tools, engine)
-    return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam, tools)
+    return Job(chat, prompts, params, f["n"], f["stream"], include_usage, logprobs, beam, tools, reasoning)
 
 
 class Fields:

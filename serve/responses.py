@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from llmx.runtime.sequence import TokenLogprob
 from llmx.serve.protocol import Job
 from llmx.serve.scheduler import Update
+from llmx.serve.reasoning import ReasoningParser, split_reasoning
 from llmx.serve.tool_calls import Call, Event, ToolCallParser, parse_tool_calls
 
 
@@ -70,6 +71,8 @@ class Responder:
         # Streams with tools: one parser per choice, and how many calls each has sent.
         self.parsers = [ToolCallParser(job.tools.fmt) for _ in job.params] if job.tools else []
         self.sent = [0] * len(job.params)
+        # Thinking templates: reasoning is split off first; the rest is content (or tool calls).
+        self.thinkers = [ReasoningParser(job.reasoning) for _ in job.params] if job.reasoning else []
 
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -108,12 +111,15 @@ class Responder:
                 "usage": usage}
 
     def message(self, r: ChoiceResult) -> dict:
-        if not self.job.tools:
-            return {"role": "assistant", "content": r.text}
-        content, calls = parse_tool_calls(self.job.tools.fmt, r.text)
-        if not calls:
-            return {"role": "assistant", "content": content}
-        return {"role": "assistant", "content": content, "tool_calls": [self.tool_call(c) for c in calls]}
+        reasoning, text = split_reasoning(self.job.reasoning, r.text) if self.job.reasoning else ("", r.text)
+        message = {"role": "assistant", "content": text}
+        if reasoning:  # both names: vLLM's newer field and the one llama.cpp, SGLang and older vLLM use
+            message.update(reasoning_content=reasoning, reasoning=reasoning)
+        if self.job.tools:
+            message["content"], calls = parse_tool_calls(self.job.tools.fmt, text)
+            if calls:
+                message["tool_calls"] = [self.tool_call(c) for c in calls]
+        return message
 
     def tool_call(self, call: Call) -> dict:
         return {"id": self.job.tools.fmt.new_id(), "type": "function",
@@ -139,14 +145,24 @@ class Responder:
         return self.chunk([choice])
 
     def delta_chunks(self, u: Update) -> list[dict]:
-        """The chunks one update makes: its text, or with tools what the parser made of it."""
-        if not self.parsers:
+        """The chunks one update makes: its text, or what the reasoning and tool parsers made of it."""
+        if not self.parsers and not self.thinkers:
             return [self.delta_chunk(u)] if u.text or u.logprobs else []
-        chunks = self.tool_chunks(u.index, self.parsers[u.index].feed(u.text))
+        chunks = self.parsed_chunks(u.index, *self.thinkers[u.index].feed(u.text)) if self.thinkers else \
+            self.parsed_chunks(u.index, "", u.text)
         lps = self._logprobs(u.index, u.logprobs) if u.logprobs else None
         if lps is not None:  # logprobs ride on the update's first chunk (or one of their own)
             chunks = chunks or [self.chunk([{"index": u.index, "delta": {}, "logprobs": None, "finish_reason": None}])]
             chunks[0]["choices"][0]["logprobs"] = lps
+        return chunks
+
+    def parsed_chunks(self, index: int, reasoning: str, content: str) -> list[dict]:
+        deltas = [{"reasoning_content": reasoning, "reasoning": reasoning}] if reasoning else []
+        chunks = [self.chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in deltas]
+        if self.parsers:
+            return chunks + self.tool_chunks(index, self.parsers[index].feed(content))
+        if content:
+            chunks.append(self.chunk([{"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": None}]))
         return chunks
 
     def tool_chunks(self, index: int, events: list[Event]) -> list[dict]:
@@ -164,9 +180,9 @@ class Responder:
         return [self.chunk([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}]) for d in deltas]
 
     def finish_chunks(self, index: int, reason: str) -> list[dict]:
-        chunks = []
+        chunks = self.parsed_chunks(index, *self.thinkers[index].finish()) if self.thinkers else []
         if self.parsers:
-            chunks = self.tool_chunks(index, self.parsers[index].finish())
+            chunks += self.tool_chunks(index, self.parsers[index].finish())
             if self.parsers[index].calls and reason == "stop":
                 reason = "tool_calls"
         return chunks + [self.finish_chunk(index, reason)]

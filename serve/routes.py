@@ -42,6 +42,7 @@ def _metrics(service, body, client_gone) -> Page:
 ROUTES: dict[str, Route] = {
     "/v1/completions": Route("POST", lambda s, body, gone: s.generate(body, chat=False, client_gone=gone)),
     "/v1/chat/completions": Route("POST", lambda s, body, gone: s.generate(body, chat=True, client_gone=gone)),
+    "/v1/responses": Route("POST", lambda s, body, gone: s.respond(body, client_gone=gone)),
     "/v1/embeddings": Route("POST", lambda s, body, gone: s.embed(body)),
     "/tokenize": Route("POST", lambda s, body, gone: s.tokenize(body)),
     "/detokenize": Route("POST", lambda s, body, gone: s.detokenize(body)),

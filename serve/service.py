@@ -27,6 +27,8 @@ from llmx.serve.errors import ApiError
 from llmx.serve.metrics import Metrics
 from llmx.serve.prefix_cache import default_bytes as default_prefix_bytes
 from llmx.serve.protocol import Job, parse_job
+from llmx.serve import responses_api
+from llmx.serve.reasoning import CHOICES as REASONING_CHOICES
 from llmx.serve.tool_calls import FORMATS, ToolFormat
 from llmx.serve.responses import ChoiceResult, Responder, sse
 from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
@@ -40,7 +42,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
                   threads: int | None = None, spin: bool | None = None, low_memory: bool = False,
                   prefix_cache_mb: int | None = None, speculative: str | None = None,
-                  draft: str | None = None, num_draft_tokens: int = 4, tool_call_format: str | None = None) -> "Service":
+                  draft: str | None = None, num_draft_tokens: int = 4, tool_call_format: str | None = None,
+                  reasoning_format: str = "auto") -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
     ``api_key`` defaults to the LLMX_API_KEY environment variable; without either, no key is asked.
@@ -54,6 +57,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     ``speculative`` ("ngram" or "draft" with ``draft``, an artifact) drafts ``num_draft_tokens``
     per step for every request (docs/decoding.md). ``tool_call_format`` names how the model writes
     tool calls (serve/tool_calls.py FORMATS) where its chat template does not tell.
+    ``reasoning_format`` "auto" returns a thinking template's reasoning as ``reasoning_content``
+    (serve/reasoning.py); "none" leaves it in ``content``.
     """
     if (artifact is None) == (engine is None):
         raise InputError("the server needs an artifact directory or a loaded engine (one of them)")
@@ -63,6 +68,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
     if tool_call_format is not None and tool_call_format not in FORMATS:
         raise InputError(f"unknown tool-call format {tool_call_format!r}: one of {', '.join(FORMATS)}")
+    if reasoning_format not in REASONING_CHOICES:
+        raise InputError(f"unknown reasoning format {reasoning_format!r}: one of {', '.join(REASONING_CHOICES)}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     # A wrong path fails here, loudly, not later in the scheduler thread.
     artifact = engine.artifact if engine is not None else Artifact.of(artifact)
@@ -89,6 +96,7 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_bytes, load_drafter).start()
     service = Service(scheduler, name, key, keepalive_s, max_body_bytes)
     service.tool_format = FORMATS.get(tool_call_format)
+    service.reasoning_format = reasoning_format
     return service
 
 
@@ -99,6 +107,7 @@ class Service(BaseService):
         self.scheduler = scheduler
         self.draining = threading.Event()  # set on SIGTERM: admit nothing new
         self.tool_format: ToolFormat | None = None  # None: read from the model's chat template
+        self.reasoning_format = "auto"
         self._inflight = 0  # generation answers not yet fully sent (guarded by _lock)
         self._lock = threading.Lock()
 
@@ -159,7 +168,7 @@ class Service(BaseService):
         self.check_size(raw)
         self.check_admitting()
         engine = self.engine()
-        job = parse_job(raw, chat, engine, self.model_name, self.tool_format)
+        job = parse_job(raw, chat, engine, self.model_name, self.tool_format, self.reasoning_format)
         if self.scheduler.drafter is not None and job.params[0].constraint is not None:
             raise ApiError(400, "constrained decoding (response_format, structured_outputs, tools) and this server's "
                                 "speculative decoding do not combine yet", param="tools" if job.tools else "response_format",
@@ -184,6 +193,19 @@ class Service(BaseService):
             return responder.response(self._collect(ticket, len(seqs), client_gone))
         finally:
             self._opened(-1)
+
+    def respond(self, raw: bytes, client_gone: Callable[[], bool] | None = None) -> dict | "EventStream":
+        """/v1/responses: the request run as a chat completion (serve/responses_api.py)."""
+        self.check_size(raw)
+        chat_raw, echo = responses_api.chat_request(raw)
+        try:
+            result = self.generate(chat_raw, chat=True, client_gone=client_gone)
+        except ApiError as exc:
+            raise responses_api.renamed(exc) from None
+        if isinstance(result, EventStream):
+            result.encode = responses_api.ResponseEvents(self.model_name, echo)
+            return result
+        return responses_api.response_object(result, echo)
 
     def tokenize(self, raw: bytes) -> dict:
         self.check_size(raw)
@@ -225,6 +247,7 @@ class EventStream:
 
     def __init__(self, service: Service, ticket: Ticket, job: Job, responder: Responder):
         self.service, self.ticket, self.job, self.responder = service, ticket, job, responder
+        self.encode = lambda chunk: [sse(chunk)]  # each chunk dict (or "[DONE]") as SSE text; /v1/responses swaps it
         self.complete = False
         self._closed = False
         self._events = self._generate()
@@ -250,7 +273,7 @@ class EventStream:
         r, k = self.responder, len(self.job.params)
         tokens, cached, pending = [0] * k, [0] * k, k
         if self.job.chat:
-            yield sse(r.role_chunk())
+            yield from self.encode(r.role_chunk())
         while pending:
             try:
                 u = self.ticket.updates.get(timeout=self.service.keepalive_s)
@@ -263,17 +286,17 @@ class EventStream:
             if isinstance(u, Failure):
                 self.complete = True
                 code = "server_shutting_down" if u.status == 503 else "generation_failed"
-                yield sse({"error": {"message": u.message, "type": "server_error", "param": None, "code": code}})
-                yield sse("[DONE]")  # the stream ends cleanly: clients tell this from a dropped connection
+                yield from self.encode({"error": {"message": u.message, "type": "server_error", "param": None, "code": code}})
+                yield from self.encode("[DONE]")  # the stream ends cleanly: clients tell this from a dropped connection
                 return
             tokens[u.index], cached[u.index] = u.tokens, u.cached_tokens
             for chunk in r.delta_chunks(u):
-                yield sse(chunk)
+                yield from self.encode(chunk)
             if u.finish_reason is not None:
                 pending -= 1
                 for chunk in r.finish_chunks(u.index, u.finish_reason):
-                    yield sse(chunk)
+                    yield from self.encode(chunk)
         self.complete = True
         if self.job.include_usage:
-            yield sse(r.usage_chunk(sum(tokens), r.prompt_cached(cached)))
-        yield sse("[DONE]")
+            yield from self.encode(r.usage_chunk(sum(tokens), r.prompt_cached(cached)))
+        yield from self.encode("[DONE]")

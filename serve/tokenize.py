@@ -14,7 +14,7 @@ from typing import Any
 
 from llmx.serve.errors import bad_request
 from llmx.serve.protocol import (Checker, boolean, chat_messages, check_chars, check_fields, invalid_field, parse_body,
-                                 rendered_chat, string)
+                                 rendered_chat, string, template_kwargs)
 from llmx.runtime.params import text
 
 TOKENIZE: dict[str, tuple[Checker, Any]] = {
@@ -24,6 +24,7 @@ TOKENIZE: dict[str, tuple[Checker, Any]] = {
     "add_special_tokens": (boolean, None),
     "add_generation_prompt": (boolean, True),
     "return_token_strs": (boolean, False),
+    "chat_template_kwargs": (lambda v, n: v, None),  # checked by template_kwargs
 }
 DETOKENIZE: dict[str, tuple[Checker, Any]] = {"model": (string, None), "tokens": (lambda v, n: v, None)}
 
@@ -37,7 +38,8 @@ def tokenize(raw: bytes, engine) -> dict:
         special = True if f["add_special_tokens"] is None else f["add_special_tokens"]
         ids = tok.encode(check_chars(text(f["prompt"], "prompt"), tok, limit, "prompt"), add_special_tokens=special)
     else:
-        rendered = rendered_chat(tok, chat_messages(f["messages"]), limit, add_generation_prompt=f["add_generation_prompt"])
+        rendered = rendered_chat(tok, chat_messages(f["messages"]), limit, add_generation_prompt=f["add_generation_prompt"],
+                                 **template_kwargs(f["chat_template_kwargs"]))
         ids = tok.encode(rendered, add_special_tokens=bool(f["add_special_tokens"]))
     strs = [tok.token_text(i) for i in ids] if f["return_token_strs"] else None
     return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}

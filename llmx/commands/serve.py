@@ -47,11 +47,14 @@ def register(cli: click.Group) -> None:
                   help="Connections served at once (one thread each); more get 503 with Retry-After.")
     @click.option("--tool-call-format", type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
                   help="How the model writes tool calls, where its chat template does not tell (default: read from it).")
+    @click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+                  help="auto: a thinking template's reasoning (<think>...</think> and the like) comes back as "
+                       "reasoning_content, apart from content; none: left in content.")
     @speculative_options
     @backend_options
     @click.pass_context
     def serve(ctx, artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
-              prefix_cache_mb, drain_timeout, http_timeout, max_connections, tool_call_format, speculative, draft,
+              prefix_cache_mb, drain_timeout, http_timeout, max_connections, tool_call_format, reasoning_format, speculative, draft,
               num_draft_tokens, backend, threads, low_memory):
         """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
@@ -76,7 +79,8 @@ def register(cli: click.Group) -> None:
                              prefill_chunk=prefill_chunk, api_key=api_key, max_body_bytes=max_body_kb * 1024,
                              backend=backend, threads=threads, spin=spin, low_memory=low_memory,
                              prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
-                             num_draft_tokens=num_draft_tokens, tool_call_format=tool_call_format)
+                             num_draft_tokens=num_draft_tokens, tool_call_format=tool_call_format,
+                             reasoning_format=reasoning_format)
             service = app.extensions["llmx"]
             service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
         except BaseException:
