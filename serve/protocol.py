@@ -23,8 +23,8 @@ from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
 from llmx.serve.reasoning import Reasoning
 from llmx.serve.reasoning import detect_format as detect_reasoning
-from llmx.serve.tool_calls import ToolFormat, detect_format
-from llmx.serve.tool_request import ToolRequest, assistant_calls, tool_request, tool_result, with_tools
+from llmx.serve.tool_calls import GENERIC, ToolFormat, detect_format
+from llmx.serve.tool_request import ToolRequest, assistant_calls, generic_messages, tool_request, tool_result, with_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -340,8 +340,15 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
             raise bad_request("'messages' is required", param="messages")
         messages = chat_messages(f["messages"])
         tools = tool_request(f, tool_format or detect_format(engine.tokenizer.chat_template))
-        rendered = rendered_chat(engine.tokenizer, messages, engine.max_seq_len, **template_kwargs(f["chat_template_kwargs"]),
-                                 **({"tools": tools.template_tools()} if tools else {}))
+        extra = {**template_kwargs(f["chat_template_kwargs"]), **(tools.template_vars() if tools else {})}
+        if tools and tools.fmt is GENERIC:
+            try:
+                rendered = rendered_chat(engine.tokenizer, generic_messages(messages, tools), engine.max_seq_len, **extra)
+            except ApiError:  # a template that refuses a system turn (Gemma's): the tools go in the first user turn
+                rendered = rendered_chat(engine.tokenizer, generic_messages(messages, tools, system=False),
+                                         engine.max_seq_len, **extra)
+        else:
+            rendered = rendered_chat(engine.tokenizer, messages, engine.max_seq_len, **extra)
         prompts = [engine.tokenizer.encode(rendered, add_special_tokens=False)]
         thinks = detect_reasoning(engine.tokenizer.chat_template) if reasoning_format == "auto" else None
         reasoning = Reasoning.for_prompt(thinks, rendered)

@@ -8,6 +8,8 @@ region (``take``), and the literals calls are written with (``open``, ``before_c
     hermes       Hermes / Qwen 2.5+ / Qwen 3    <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
     llama3_json  Llama 3.1 / 3.2 / 3.3         {"name": ..., "parameters": {...}}  (optionally after <|python_tag|>)
     mistral      Mistral v3 (7B v0.3, Nemo)   [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+    generic      any other chat template       {"name": ..., "arguments": {...}}  (tools described in the
+                                               system message by llmx: serve/tool_request.py generic_messages)
 
 One parser serves whole answers and streams (``ToolCallParser``): text before the marker is
 content; from the marker on, calls are read in order; the first block that does not read as a
@@ -115,6 +117,11 @@ def _take_mistral(text: str, final: bool) -> tuple[list[Call], int]:
     return [_call(c, "arguments") for c in calls], start + used
 
 
+def _take_json(text: str, final: bool) -> tuple[list[Call], int]:
+    obj, used = _decode_front(text, final)
+    return [_call(obj, "arguments")], used
+
+
 def _hermes_ids() -> str:
     return "call_" + secrets.token_hex(12)
 
@@ -152,7 +159,12 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     ToolFormat("mistral", ("[TOOL_CALLS]",), ("[TOOL_CALLS]",), True, _take_mistral, "arguments",
                open="[TOOL_CALLS] [", before_call="", after_call="", separator=", ", close="]", max_calls=None,
                new_id=_mistral_ids),
+    # No template writes it (no signatures): the fallback for templates with no tool format, one
+    # call a reply, as llama.cpp's server's generic format.
+    ToolFormat("generic", (), ("{",), False, _take_json, "arguments", open="", before_call="", after_call="",
+               separator="", close="", max_calls=1),
 )}
+GENERIC = FORMATS["generic"]
 
 
 def detect_format(chat_template: str | None) -> ToolFormat | None:

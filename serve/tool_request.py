@@ -21,7 +21,7 @@ from llmx.errors import InputError, LlmxError, require
 from llmx.runtime.constraints import CompiledConstraint, ConstraintSpec, compile_constraint
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import bad_request
-from llmx.serve.tool_calls import ToolFormat
+from llmx.serve.tool_calls import GENERIC, ToolFormat
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -43,12 +43,17 @@ class ToolRequest:
     def template_tools(self) -> list[dict]:
         return [{"type": "function", "function": t["function"]} for t in self.tools]
 
+    def template_vars(self) -> dict:
+        """The chat template's ``tools`` variable, where the template renders tools itself."""
+        return {} if self.fmt is GENERIC else {"tools": self.template_tools()}
+
     def grammar(self, added_tokens: dict[str, int]) -> str:
         """The llguidance Lark grammar for this request's replies."""
         functions = [t["function"] for t in self.tools]
         if self.choice not in ("auto", "required"):
             functions = [f for f in functions if f["name"] == self.choice]
-        most = 1 if not self.parallel else self.fmt.max_calls
+        named = self.choice not in ("auto", "required")  # a named function is called once (as vLLM does)
+        most = 1 if not self.parallel or named else self.fmt.max_calls
         rules = call_rules(self.fmt, functions, most, added_tokens)
         if self.choice != "auto":
             return "start: calls\n" + rules
@@ -208,10 +213,46 @@ def tool_request(f: dict, fmt: ToolFormat | None) -> ToolRequest | None:
     choice = check_tool_choice(f["tool_choice"] or ("auto" if tools else "none"), tools)
     if not tools or choice == "none":  # "none": the model is not shown the tools, its reply is not parsed
         return None
-    if fmt is None:
-        raise bad_request("this model's chat template writes tool calls in no format llmx knows (hermes, llama3_json, "
-                          "mistral); start the server with --tool-call-format", param="tools", code="tools_unsupported")
-    return ToolRequest(fmt, tools, choice, f["parallel_tool_calls"] is not False)
+    return ToolRequest(fmt or GENERIC, tools, choice, f["parallel_tool_calls"] is not False)
+
+
+# -- the generic format: tools for a template that renders none ------------------------------------
+
+GENERIC_PROMPT = ("You can call these functions:\n{functions}\nTo call one, reply with only "
+                  '{{"name": <function name>, "arguments": <arguments object>}}.')
+
+
+def generic_messages(messages: list[dict], tools: ToolRequest, system: bool = True) -> list[dict]:
+    """``messages`` for a template that knows no tools: the functions described in the system
+    message (as llama.cpp's server does for such templates), calls made earlier written as the
+    JSON the model is asked for, and results as user turns (merged into a user turn before them,
+    for templates that insist on alternating roles)."""
+    functions = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools.tools)
+    prompt = GENERIC_PROMPT.format(functions=functions)
+    out: list[dict] = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                          ensure_ascii=False) for c in m["tool_calls"])
+            m = {"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls}
+        elif m["role"] == "tool":
+            result = {"tool_response": {"name": m.get("name"), "content": m["content"]}}
+            m = {"role": "user", "content": json.dumps(result, ensure_ascii=False)}
+        if out and m["role"] == "user" and out[-1]["role"] == "user":
+            out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + m["content"]}
+        else:
+            out.append(dict(m))
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0]["content"] = out[0]["content"] + "\n\n" + prompt
+    elif system:
+        out.insert(0, {"role": "system", "content": prompt})
+    else:
+        first = next((m for m in out if m["role"] == "user"), None)
+        if first is None:
+            out.insert(0, {"role": "user", "content": prompt})
+        else:
+            first["content"] = prompt + "\n\n" + first["content"]
+    return out
 
 
 # -- messages ----------------------------------------------------------------------------------

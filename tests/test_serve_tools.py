@@ -153,6 +153,16 @@ def test_streamed_calls_arrive_as_openai_tool_call_deltas_per_choice(servers):
         assert deltas[-1]["finish_reason"] == "tool_calls"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_named_function_is_called_once_and_the_reply_ends(servers, fmt):
+    """Even with parallel calls allowed: no second call running into max_tokens, no fragment in content."""
+    client = servers[fmt].client(max_retries=0, timeout=60)
+    choice = client.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, max_tokens=300, temperature=0.9,
+                                            seed=5, **choice_args("named", fmt, None)).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+
+
 def test_parallel_calls_each_match_their_function(servers):
     client = servers["hermes"].client(max_retries=0, timeout=60)
     out = client.chat.completions.create(model="m", messages=QUESTION, tools=TOOLS, tool_choice="required",
@@ -199,17 +209,53 @@ def test_bad_tools_are_openai_shaped_400s_before_any_work(servers, case):
     assert error["type"] == "invalid_request_error" and words in error["message"]
 
 
-def test_model_without_a_tool_format_refuses_tools(llama_engine):
-    from llmx.serve.errors import ApiError
+def test_a_template_without_a_tool_format_gets_the_generic_one(generic_server):
+    """Tools are described in a system turn llmx writes; calls made earlier are written as the
+    JSON asked for, results as a user turn (merged, for templates that alternate roles)."""
     from llmx.serve.protocol import parse_job
     from llmx.serve.tool_calls import FORMATS as TABLE
 
-    body = json.dumps({"messages": QUESTION, "tools": TOOLS}).encode()
-    with pytest.raises(ApiError) as refused:
-        parse_job(body, True, llama_engine, "m")
-    assert refused.value.status == 400 and refused.value.code == "tools_unsupported"
-    job = parse_job(body, True, llama_engine, "m", TABLE["hermes"])  # --tool-call-format names it
-    assert job.tools.fmt.name == "hermes" and job.params[0].constraint is not None
+    history = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    engine = generic_server.app.extensions["llmx"].engine()
+    job = parse_job(json.dumps({"messages": history, "tools": TOOLS}).encode(), True, engine, "m")
+    assert job.tools.fmt is TABLE["generic"] and job.params[0].constraint is not None
+    prompt = engine.tokenizer.decode(job.prompts[0], skip_special_tokens=False)
+    assert "You can call these functions" in prompt and '"name": "get_weather"' in prompt and '"name": "get_time"' in prompt
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert '{"tool_response": {"name": "get_weather", "content": "sunny"}}' in prompt
+    job = parse_job(json.dumps({"messages": QUESTION, "tools": TOOLS}).encode(), True, engine, "m", TABLE["hermes"])
+    assert job.tools.fmt.name == "hermes"  # --tool-call-format still names one
+
+
+PLAIN_CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def generic_server(checkpoint, tmp_path_factory):
+    """The tool checkpoint with a ChatML template that renders no tools (most small chat models')."""
+    from llmx.export import export_checkpoint
+
+    art = tmp_path_factory.mktemp("generic") / "art"
+    export_checkpoint(checkpoint, art)
+    (art / "tokenizer" / "chat_template.jinja").write_text(PLAIN_CHATML)
+    with LiveServer(artifact=art, model_name="m", threads=1, max_batch=4) as live:
+        yield live
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("mode", ["required", "named"])
+def test_generic_format_calls_are_complete_and_schema_valid(generic_server, mode, stream):
+    client = generic_server.client(max_retries=0, timeout=60)
+    choice = ask(client, stream, messages=QUESTION, tools=TOOLS, max_tokens=100, temperature=0.7, seed=1,
+                 **choice_args(mode, "generic", None)).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    check_call(call, ("get_weather",) if mode == "named" else ("get_weather", "get_time"))
 
 
 def test_control_tokens_are_shown_when_a_marker_is_one(llama_engine):

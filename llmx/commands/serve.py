@@ -45,8 +45,9 @@ def register(cli: click.Group) -> None:
                   help="Seconds a connection may stay silent, and a request body may take to arrive.")
     @click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
                   help="Connections served at once (one thread each); more get 503 with Retry-After.")
-    @click.option("--tool-call-format", type=click.Choice(["hermes", "llama3_json", "mistral"]), default=None,
-                  help="How the model writes tool calls, where its chat template does not tell (default: read from it).")
+    @click.option("--tool-call-format", type=click.Choice(["hermes", "llama3_json", "mistral", "generic"]), default=None,
+                  help="How the model writes tool calls (default: read from its chat template; generic, "
+                       "tools described in the system message, where the template has no tool format).")
     @click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
                   help="auto: a thinking template's reasoning (<think>...</think> and the like) comes back as "
                        "reasoning_content, apart from content; none: left in content.")
