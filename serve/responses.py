@@ -69,7 +69,7 @@ class Responder:
         self.prompt_tokens = sum(len(p) for p in job.prompts)
         self.offsets = [0] * len(job.params)  # text offsets for streamed completion logprobs
         # Streams with tools: one parser per choice, and how many calls each has sent.
-        self.parsers = [ToolCallParser(job.tools.fmt) for _ in job.params] if job.tools else []
+        self.parsers = [ToolCallParser(job.tools.fmt, job.tools.calls_only) for _ in job.params] if job.tools else []
         self.sent = [0] * len(job.params)
         # Thinking templates: reasoning is split off first; the rest is content (or tool calls).
         self.thinkers = [ReasoningParser(job.reasoning) for _ in job.params] if job.reasoning else []
@@ -116,7 +116,7 @@ class Responder:
         if reasoning:  # both names: vLLM's newer field and the one llama.cpp, SGLang and older vLLM use
             message.update(reasoning_content=reasoning, reasoning=reasoning)
         if self.job.tools:
-            message["content"], calls = parse_tool_calls(self.job.tools.fmt, text)
+            message["content"], calls = parse_tool_calls(self.job.tools.fmt, text, self.job.tools.calls_only)
             if calls:
                 message["tool_calls"] = [self.tool_call(c) for c in calls]
         return message

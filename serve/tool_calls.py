@@ -187,8 +187,11 @@ class Event:
 class ToolCallParser:
     """Splits one choice's output, fed as it streams, into content and calls (see the module doc)."""
 
-    def __init__(self, fmt: ToolFormat):
+    def __init__(self, fmt: ToolFormat, calls_only: bool = False):
         self.fmt = fmt
+        # A reply constrained to calls ("required", a named function): what does not read as a
+        # call can only be one that max_tokens cut short, and is dropped, not returned as content.
+        self.calls_only = calls_only
         self.pending = ""  # content held back while it could be the start of a marker
         self.region: str | None = None  # text from the marker on, once one was seen
         self.done = 0  # characters of the region already turned into calls
@@ -247,15 +250,15 @@ class ToolCallParser:
                 return events
             except Malformed:
                 self.plain = True
-                return events + [Event(rest)]
+                return events if self.calls_only else events + [Event(rest)]
             self.done += used
             self.calls += calls
             events += [Event(call=c) for c in calls]
 
 
-def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[Call]]:
+def parse_tool_calls(fmt: ToolFormat, text: str, calls_only: bool = False) -> tuple[str | None, list[Call]]:
     """A whole reply: (content or None, calls)."""
-    parser = ToolCallParser(fmt)
+    parser = ToolCallParser(fmt, calls_only)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.content for e in events)
     return (content or None) if parser.calls else content, parser.calls

@@ -40,6 +40,11 @@ class ToolRequest:
     choice: str  # "auto", "required" or a function's name
     parallel: bool
 
+    @property
+    def calls_only(self) -> bool:
+        """The reply is constrained to calls ("required" or a named function)."""
+        return self.choice != "auto"
+
     def template_tools(self) -> list[dict]:
         return [{"type": "function", "function": t["function"]} for t in self.tools]
 

@@ -64,6 +64,20 @@ def test_streamed_reply_in_random_pieces_gives_the_same_content_and_calls(fmt, r
     assert reply.startswith(streamed_before)  # content is streamed in order, before the calls
 
 
+@pytest.mark.parametrize("fmt,reply,complete", [
+    ("hermes", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_we', [CLOCK]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"name": "get_', []),  # one JSON list, never closed
+    ("generic", '{"name": "get_ti', []),
+])
+def test_a_call_cut_by_max_tokens_in_a_calls_only_reply_is_dropped_not_content(fmt, reply, complete):
+    """"required" or a named function: everything is calls, so a tail that is not one was cut short."""
+    assert parse_tool_calls(FORMATS[fmt], reply, calls_only=True) == (None if complete else "", complete)
+    parser = ToolCallParser(FORMATS[fmt], calls_only=True)
+    events = [e for k in range(0, len(reply), 5) for e in parser.feed(reply[k:k + 5])] + parser.finish()
+    assert [e.call for e in events if e.call] == complete and not "".join(e.content for e in events)
+    assert parse_tool_calls(FORMATS[fmt], reply)[0]  # "auto" keeps what it cannot read as content
+
+
 def test_content_streams_before_the_call_is_complete():
     parser = ToolCallParser(FORMATS["hermes"])
     assert [e.content for e in parser.feed("Checking the weather <tool")] == ["Checking the weather "]
