@@ -86,6 +86,7 @@ def test_a_loaded_backend_keeps_its_packed_weights_in_huge_pages(demo_artifact, 
         out = subprocess.run([sys.executable, "-c", LOAD, str(demo_artifact)], capture_output=True, text=True, check=True)
         return int(out.stdout.split()[-1])
 
-    # The demo model packs ~24 MB of weights: most of it lands in whole 2 MiB pages.
-    assert huge_kb("1") >= 8 * 1024
+    # The demo model packs ~24 MB of weights: on a quiet host most of it lands in whole 2 MiB
+    # pages; under a loaded CI run, with memory fragmented, 6 MiB was seen. At least two pages.
+    assert huge_kb("1") >= 4 * 1024
     assert huge_kb("0") == 0

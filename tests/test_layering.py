@@ -118,7 +118,7 @@ print('ok')
 def test_generate_runs_end_to_end_with_torch_blocked(llama_artifact):
     code = BLOCK_TORCH + f"""
 from llmx.cli import main
-main(['generate', {str(llama_artifact)!r}, 'def', '--max-new-tokens', '5', '--json'])
+main(['generate', {str(llama_artifact)!r}, 'def', '--max-new-tokens', '5', '--ignore-eos', '--json'])
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
