@@ -21,8 +21,8 @@ from llmx.runtime.params import (MAX_CHOICES, MAX_LOGPROBS, BEAM, SAMPLING, Chec
                                  integer, invalid, prompt_room, text)
 from llmx.runtime.sampling import SamplingParams
 from llmx.serve.errors import ApiError, bad_request
-from llmx.serve.reasoning import Reasoning
-from llmx.serve.reasoning import detect_format as detect_reasoning
+from llmx.runtime.reasoning import Reasoning
+from llmx.runtime.reasoning import detect_format as detect_reasoning
 from llmx.serve.tool_calls import GENERIC, ToolFormat, detect_format
 from llmx.serve.tool_request import ToolRequest, assistant_calls, generic_messages, tool_request, tool_result, with_tools
 
@@ -198,7 +198,7 @@ class Job:
     logprobs: int | None  # top alternatives per token, when logprobs were asked for
     beam: list[BeamParams] | None = None  # use_beam_search: one per prompt (its n choices are the best n beams)
     tools: ToolRequest | None = None  # chat with tools: replies are parsed for calls
-    reasoning: Reasoning | None = None  # chat with a thinking template: replies are split (serve/reasoning.py)
+    reasoning: Reasoning | None = None  # chat with a thinking template: replies are split (runtime/reasoning.py)
 
 
 def parse_body(raw: bytes) -> dict:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from llmx.runtime.sequence import TokenLogprob
 from llmx.serve.protocol import Job
 from llmx.serve.scheduler import Update
-from llmx.serve.reasoning import ReasoningParser, split_reasoning
+from llmx.runtime.reasoning import ReasoningParser, split_reasoning
 from llmx.serve.tool_calls import Call, Event, ToolCallParser, parse_tool_calls
 
 

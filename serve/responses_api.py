@@ -9,7 +9,7 @@ one chat has), run as one, and its answer translated back:
     tools [{"type": "function", "name", "parameters", ...}]               -> chat's nested function tools
     text.format (text, json_object, json_schema)                          -> response_format
 
-The answer's ``output`` holds a ``reasoning`` item (thinking templates, serve/reasoning.py), a
+The answer's ``output`` holds a ``reasoning`` item (thinking templates, runtime/reasoning.py), a
 ``message`` with one ``output_text`` part, and one ``function_call`` item per tool call; a reply
 cut by ``max_output_tokens`` has status ``incomplete``. Streams carry the Responses event types
 (``response.created`` ... ``response.completed``), each with its ``sequence_number``.

@@ -28,7 +28,7 @@ from llmx.serve.metrics import Metrics
 from llmx.serve.prefix_cache import default_bytes as default_prefix_bytes
 from llmx.serve.protocol import Job, parse_job
 from llmx.serve import responses_api
-from llmx.serve.reasoning import CHOICES as REASONING_CHOICES
+from llmx.runtime.reasoning import CHOICES as REASONING_CHOICES
 from llmx.serve.tool_calls import FORMATS, ToolFormat
 from llmx.serve.responses import ChoiceResult, Responder, sse
 from llmx.serve.scheduler import Failure, QueueFull, Scheduler, Ticket
@@ -58,7 +58,7 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     per step for every request (docs/decoding.md). ``tool_call_format`` names how the model writes
     tool calls (serve/tool_calls.py FORMATS) where its chat template does not tell.
     ``reasoning_format`` "auto" returns a thinking template's reasoning as ``reasoning_content``
-    (serve/reasoning.py); "none" leaves it in ``content``.
+    (runtime/reasoning.py); "none" leaves it in ``content``.
     """
     if (artifact is None) == (engine is None):
         raise InputError("the server needs an artifact directory or a loaded engine (one of them)")

@@ -1,4 +1,4 @@
-"""Reasoning apart from the answer (serve/reasoning.py): the parser on its own, then the real
+"""Reasoning apart from the answer (runtime/reasoning.py): the parser on its own, then the real
 server with a Qwen3-style thinking template, driven by the official ``openai`` client.
 
 The tiny model is noise, so its replies are fixed by a ``choice`` constraint (vLLM's
@@ -7,6 +7,7 @@ structured_outputs): the text is known, and what is tested is how it comes back.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import openai
@@ -15,7 +16,7 @@ import requests
 from hypothesis import given, settings, strategies as st
 
 from live_server import LiveServer
-from llmx.serve.reasoning import FORMATS, Reasoning, ReasoningParser, detect_format, split_reasoning
+from llmx.runtime.reasoning import FORMATS, Reasoning, ReasoningParser, detect_format, split_reasoning
 
 # Qwen3's template, cut to what matters here: ChatML turns, and with enable_thinking false an
 # empty thinking block written into the prompt.
@@ -70,15 +71,43 @@ def test_formats_are_read_from_the_template_and_the_prompt():
     assert Reasoning.for_prompt(None, "anything") is None
 
 
+# -- llmx generate --chat ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking_artifact(llama_artifact, tmp_path_factory):
+    """The tiny Llama with the thinking template."""
+    art = tmp_path_factory.mktemp("thinking") / "art"
+    shutil.copytree(llama_artifact, art)
+    (art / "tokenizer" / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return art
+
+
+FORCE_REPLY = REPLY.replace(".", "\\.").replace("\n", "\\n")  # the reply as a regex (--regex fixes it)
+
+
+def test_generate_chat_shows_reasoning_apart(thinking_artifact, capsys):
+    from llmx.cli import main
+
+    args = ["generate", str(thinking_artifact), "hi", "--chat", "--regex", FORCE_REPLY, "--max-new-tokens", "80"]
+    main(args)
+    out, err = capsys.readouterr()
+    assert out == "Hello there\n" and "The user greets me.\nI greet back." in err
+    main([*args, "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert (result["text"], result["reasoning_content"]) == ("Hello there", "The user greets me.\nI greet back.")
+    main(["generate", str(thinking_artifact), "hi", "--regex", FORCE_REPLY, "--max-new-tokens", "80", "--json"])
+    plain = json.loads(capsys.readouterr().out)  # no --chat: no template, the text is left whole
+    assert plain["text"] == REPLY and "reasoning_content" not in plain
+
+
 # -- through the server ----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def servers(llama_artifact, tmp_path_factory):
+def servers(thinking_artifact):
     """The tiny Llama with the thinking template, served with --reasoning-format auto and none."""
-    art = tmp_path_factory.mktemp("thinking") / "art"
-    shutil.copytree(llama_artifact, art)
-    (art / "tokenizer" / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    art = thinking_artifact
     with LiveServer(artifact=art, model_name="m", threads=1, max_batch=4) as auto, \
             LiveServer(artifact=art, model_name="m", threads=1, max_batch=4, reasoning_format="none") as raw:
         yield {"auto": auto, "none": raw}

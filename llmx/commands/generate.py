@@ -82,7 +82,12 @@ def register(cli: click.Group) -> None:
             from llmx.runtime.drafters import make_drafter
 
             drafter = make_drafter(speculative, engine, num_draft_tokens, draft, backend=backend, threads=threads)
-        _run(engine, ids, params, as_json, drafter)
+        thinking = None
+        if chat:
+            from llmx.runtime.reasoning import Reasoning, detect_format
+
+            thinking = Reasoning.for_prompt(detect_format(engine.tokenizer.chat_template), text)
+        _run(engine, ids, params, as_json, drafter, thinking)
 
 
 class Flags:
@@ -171,20 +176,36 @@ def _run_beams(engine, ids: list[int], params, as_json: bool) -> None:
     }, ensure_ascii=False))
 
 
-def _run(engine, ids: list[int], params, as_json: bool, drafter) -> None:
+def _run(engine, ids: list[int], params, as_json: bool, drafter, thinking=None) -> None:
+    """Generate and print. ``thinking`` (--chat with a thinking template, runtime/reasoning.py):
+    the reasoning goes to stderr as it streams, the answer to stdout; --json has both apart."""
     from llmx.runtime.generate import generate as run
+    from llmx.runtime.reasoning import ReasoningParser, split_reasoning
 
     start = time.perf_counter()
     first: list[float] = []
+    parser = ReasoningParser(thinking) if thinking else None
+
+    def show(reasoning: str, content: str) -> None:
+        if reasoning:
+            sys.stderr.write(reasoning)
+            sys.stderr.flush()
+        if content:
+            sys.stdout.write(content)
+            sys.stdout.flush()
 
     def on_event(event):
         if not first:
             first.append(time.perf_counter())
         if not as_json and event[1]:
-            sys.stdout.write(event[1])
-            sys.stdout.flush()
+            if parser:
+                show(*parser.feed(event[1]))
+            else:
+                show("", event[1])
 
     seq = run(engine.backend, engine.tokenizer, [ids], params, on_event=on_event, drafter=drafter)[0]
+    if parser and not as_json:
+        show(*parser.finish())
     elapsed = time.perf_counter() - start
     n = len(seq.output_ids)
     ttft = first[0] - start if first else elapsed
@@ -197,8 +218,10 @@ def _run(engine, ids: list[int], params, as_json: bool, drafter) -> None:
         click.echo(f"[{n} tokens, finish_reason={seq.finish_reason}, TTFT {ttft * 1e3:.0f} ms, {decode_rate:.1f} tok/s{extra}]",
                    err=True)
         return
+    reasoning, text = split_reasoning(thinking, seq.text) if thinking else (None, seq.text)
     result = {
-        "text": seq.text,
+        "text": text,
+        **({"reasoning_content": reasoning} if thinking else {}),
         "finish_reason": seq.finish_reason,
         "prompt_tokens": len(ids),
         "completion_tokens": n,
