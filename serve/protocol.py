@@ -344,7 +344,9 @@ def _parse_job(raw: bytes, chat: bool, engine, served_model: str, tool_format: T
         if tools and tools.fmt is GENERIC:
             try:
                 rendered = rendered_chat(engine.tokenizer, generic_messages(messages, tools), engine.max_seq_len, **extra)
-            except ApiError:  # a template that refuses a system turn (Gemma's): the tools go in the first user turn
+            except ApiError as exc:  # a template that refuses a system turn (Gemma's): the tools go in the first user turn
+                if exc.code != "chat_template_error":
+                    raise
                 rendered = rendered_chat(engine.tokenizer, generic_messages(messages, tools, system=False),
                                          engine.max_seq_len, **extra)
         else:

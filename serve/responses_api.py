@@ -34,8 +34,7 @@ FIELDS = {"model": "model", "input": None, "instructions": None, "max_output_tok
           "parallel_tool_calls": "parallel_tool_calls", "text": None, "store": None, "metadata": None, "user": None,
           "previous_response_id": None, "truncation": None, "include": None, "seed": "seed"}
 # A chat field named in an error, as the Responses request names it.
-PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-          "tools": "tools", "tool_choice": "tool_choice"}
+PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def _new_id(prefix: str) -> str:
@@ -208,7 +207,7 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 
 def response_object(chat: dict, echo: dict) -> dict:
     """The Responses answer for a whole chat completion."""
-    choice = choice0(chat)
+    choice = chat["choices"][0]
     message = choice["message"]
     output = [reasoning_item(message["reasoning_content"])] if message.get("reasoning_content") else []
     if message.get("content") or not message.get("tool_calls"):
@@ -217,10 +216,6 @@ def response_object(chat: dict, echo: dict) -> dict:
     response = _skeleton(_new_id("resp"), chat["created"], chat["model"], echo, "completed")
     response.update(output=output, usage=_usage(chat["usage"]))
     return _finished(response, choice["finish_reason"])
-
-
-def choice0(chat: dict) -> dict:
-    return chat["choices"][0]
 
 
 class ResponseEvents:
@@ -235,10 +230,11 @@ class ResponseEvents:
 
     def __call__(self, chunk: dict | str) -> list[str]:
         if chunk == "[DONE]":
-            self._close()
+            if self.response["status"] == "failed":
+                return []  # response.failed was the last event
             # response.completed even when max_output_tokens cut the reply (its status says
             # incomplete): the official client's stream helper finishes only on this event
-            return self._events([("response.completed", {"response": _finished(self.response, self.finish_reason)})])
+            return self._events(self._close() + [("response.completed", {"response": _finished(self.response, self.finish_reason)})])
         if "error" in chunk:
             self.response["status"] = "failed"
             self.response["error"] = {"code": chunk["error"].get("code") or "server_error",

@@ -55,10 +55,10 @@ class ToolRequest:
     def grammar(self, added_tokens: dict[str, int]) -> str:
         """The llguidance Lark grammar for this request's replies."""
         functions = [t["function"] for t in self.tools]
-        if self.choice not in ("auto", "required"):
+        named = self.choice not in ("auto", "required")
+        if named:
             functions = [f for f in functions if f["name"] == self.choice]
-        named = self.choice not in ("auto", "required")  # a named function is called once (as vLLM does)
-        most = 1 if not self.parallel or named else self.fmt.max_calls
+        most = 1 if not self.parallel or named else self.fmt.max_calls  # a named function is called once (as vLLM does)
         rules = call_rules(self.fmt, functions, most, added_tokens)
         if self.choice != "auto":
             return "start: calls\n" + rules

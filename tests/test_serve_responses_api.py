@@ -132,3 +132,17 @@ def test_bad_requests_are_openai_shaped_400s_naming_the_responses_field(server, 
     resp = requests.post(f"{server.url}/v1/responses", json={"model": "m", **body}, timeout=30)
     error = resp.json()["error"]
     assert resp.status_code == 400 and error["param"] == param and error["message"] and error["type"]
+
+
+def test_a_stream_that_fails_ends_with_response_failed_not_completed():
+    from llmx.serve.responses_api import ResponseEvents
+
+    events = ResponseEvents("m", {})
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    text = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+    error = {"error": {"message": "the engine stopped", "type": "server_error", "param": None, "code": "generation_failed"}}
+    sent = [json.loads(e.split("data: ", 1)[1]) for c in (role, text, error, "[DONE]") for e in events(c)]
+    kinds = [e["type"] for e in sent]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == ["error", "response.failed"]
+    assert "response.completed" not in kinds and sent[-1]["response"]["error"]["message"] == "the engine stopped"
+    assert [e["sequence_number"] for e in sent] == list(range(len(sent)))
