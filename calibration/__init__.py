@@ -7,7 +7,8 @@ int8 (``kv_int8``), with a scheme or alone.
 
     calibrate.py   calibrate_artifact: the stage, artifact + text -> quantized artifact + report
     options.py     CalibrationOptions: the scheme, its recipe and the search, checked
-    search.py      the accuracy-aware search (candidates.py builds, judge.py scores)
+    search.py      the accuracy-aware search (candidates.py builds, judge.py scores and times,
+                   sensitivity.py ranks MatMuls in one local pass)
     pipeline.py    quantizing both graphs with the chosen recipe; writing the new artifact
     report.py      quality.json: perplexity, top-1 agreement, KL, sizes (encoder.py: cosine)
 

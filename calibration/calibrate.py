@@ -23,13 +23,13 @@ from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import load_graph
 from llmx.artifact.staging import finish, staged_artifact
 from llmx.calibration import kv_int8, pipeline
-from llmx.calibration.activations import collect_stats
+from llmx.calibration.activations import ActivationStats, collect_stats
 from llmx.calibration.data import read_text_data, split_windows, token_windows
 from llmx.calibration.encoder import load_sentences, measure_embeddings
 from llmx.calibration.judge import meets
 from llmx.calibration.matmuls import is_quantized
 from llmx.calibration.options import UNSEARCHED_BLOCK_SIZE, CalibrationOptions
-from llmx.calibration.pipeline import Progress, silent
+from llmx.calibration.progress import Progress, silent
 from llmx.calibration.report import measure, write_report
 from llmx.calibration.search import TargetNotMetError, apply, format_search, run_search
 from llmx.errors import ArtifactError, InputError
@@ -85,14 +85,19 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     work.mkdir()
     paths = pipeline.prepare_fp32(source, work / "fp32")
     feeds = pipeline.make_feeds(source, split.calibration, options.threads)
-    stats = None
-    if options.scheme == "w8a8" or (options.scheme == "w4" and True in options.search.awq):  # else unused
-        with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
-            stats = collect_stats(paths, feeds, bar.update, options.threads)
+    collected: dict[str, ActivationStats] = {}
+
+    def stats() -> ActivationStats:  # w8a8 and AWQ need them at once; w8 and plain w4 only for fallbacks
+        if "stats" not in collected:
+            with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
+                collected["stats"] = collect_stats(paths, feeds, bar.update, options.threads)
+        return collected["stats"]
+
     space = options.search
     if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
         space = replace(space, block_sizes=(options.block_size,))
-    chosen, record = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space, work, log)
+    chosen, record = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space, work, log,
+                                progress)
     if not record["met"]:
         best = record["candidates"][record["chosen"]]
         message = (f"no configuration meets the target ({record['measure']}); the best found, {best['label']}, "
@@ -101,7 +106,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
             log(format_search(record))
             raise TargetNotMetError(message + "; --force keeps it, or relax --target")
         log(message + " (kept: --force)")
-    return apply(options, chosen), stats, record
+    return apply(options, chosen), collected.get("stats"), record
 
 
 def _quality(measured: dict) -> str:

@@ -1,8 +1,8 @@
 """The configurations the search tries, and how each becomes a quantized graph to score.
 
 A ``Candidate`` is one recipe: the activation-range method and SmoothQuant alpha (w8a8) or
-AWQ on/off and the block size (w8/w4), plus the MatMuls (by weight name) kept in higher
-precision: fp32 under w8a8, accuracy level 0 under w8, 8-bit weights under w4. Builders turn
+the block size and the channel scaling, SmoothQuant alpha or AWQ (w8/w4), plus the MatMuls (by weight name) kept in higher
+precision: fp32 under w8a8 and w8, 8-bit weights under w4. Builders turn
 a candidate into the searched graph only (decode, or an encoder's embed), reusing the
 activation statistics and caching each smoothed graph and range set, so trying a candidate
 costs one quantization and one scoring pass, never another fp32 calibration run for minmax
@@ -11,7 +11,8 @@ ranges.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import numpy as np
 from llmx.artifact.onnx_files import load_graph, save_graphs
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
-from llmx.calibration.matmuls import add_initializer, initializers, read_array, replace_initializer, weight_matmuls
+from llmx.calibration.matmuls import initializers, read_array, weight_matmuls
+from llmx.calibration.sensitivity import PROBE_INPUT, group_keys, probe_model, quantized_product, relative_error
 from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
 from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
 from llmx.calibration.weight_only import BITS, quantize_weights
@@ -38,7 +40,8 @@ class Candidate:
         if self.method is not None:
             parts = [self.method, f"sq{self.alpha:g}" if self.alpha is not None else "no-sq"]
         else:
-            parts = [f"{'awq' if self.awq else 'rtn'} b{self.block_size}"]
+            scaling = "awq" if self.awq else f"sq{self.alpha:g}" if self.alpha is not None else "rtn"
+            parts = [f"{scaling} b{self.block_size}"]
         return "+".join(parts + ([f"fallback {len(self.fallback)}"] if self.fallback else []))
 
 
@@ -59,7 +62,6 @@ class StaticBuilder:
         self.work, self.built = work, 0
         self._smoothed: dict[float | None, tuple[Path, dict | None]] = {}
         self._ranges: dict[tuple[str, float | None], object] = {}
-        self._loaded: dict[Path, object] = {}
 
     def weights(self) -> list[str]:
         return [mm.weight for mm in weight_matmuls(load_graph(self.fp32))]
@@ -88,29 +90,33 @@ class StaticBuilder:
             self._ranges[(method, alpha)] = ranges
         return self._ranges[(method, alpha)]
 
-    def only(self, candidate: Candidate, weight: str) -> tuple[object, int]:
-        """The fp32 graph with only ``weight``'s MatMul quantized (sensitivity), built in memory.
-
-        Fake-quantized: a QuantizeLinear/DequantizeLinear pair on its input at the candidate's
-        range, its weight rounded to INT8 per output channel; numerically what the Q/DQ graph
-        computes, without a quantizer run per MatMul.
-        """
+    def local_errors(self, candidate: Candidate, rows: dict[str, np.ndarray], threads: int | None = None,
+                     progress: Callable[[int], None] = lambda n: None) -> dict[str, float]:
+        """Each MatMul's relative output error on its calibration ``rows`` under ``candidate``'s
+        smoothing and ranges, run as a one-MatMul Q/DQ graph (sensitivity.py)."""
         import onnx
+        from onnxruntime.quantization.calibrate import TensorsData
 
-        path, _ = self.smoothed(candidate.alpha)
-        if path not in self._loaded:
-            self._loaded[path] = onnx.load_model(str(path))
-        model = _copy(self._loaded[path])
-        mm = next(m for m in weight_matmuls(model) if m.weight == weight)
-        top = float(np.asarray(self.ranges(candidate.method, candidate.alpha)[mm.activation].range_value[1]))
-        _fake_quantize_input(model, mm, top / 127)
-        w = read_array(initializers(model)[weight], path.parent)
-        step = np.maximum(np.abs(w).max(0, keepdims=True), 1e-12) / 127
-        replace_initializer(model, weight, (np.clip(np.round(w / step), -127, 127) * step).astype(np.float32))
-        return model, graph_bytes(model)
+        path, scales = self.smoothed(candidate.alpha)
+        model = load_graph(path, with_weights=True)
+        ranges, keys, inits = self.ranges(candidate.method, candidate.alpha), group_keys(model), initializers(model)
+        probe = self.work / "probe"
+        probe.mkdir(parents=True, exist_ok=True)
+        found = {}
+        for mm in weight_matmuls(model):
+            s = (scales or {}).get(keys[mm.weight])
+            x = rows[mm.weight] if s is None else rows[mm.weight] / s
+            w = read_array(inits[mm.weight], path.parent)
+            onnx.save_model(probe_model(w), str(probe / "fp32.onnx"))
+            data = TensorsData(ranges.calibration_method, {PROBE_INPUT: ranges[mm.activation]})
+            quantize_qdq(probe / "fp32.onnx", probe / "qdq.onnx", data, candidate.method, self.per_channel)
+            found[mm.weight] = relative_error(x @ w, quantized_product(x, probe / "qdq.onnx", threads))
+            progress(1)
+        shutil.rmtree(probe)
+        return found
 
-    def build(self, candidate: Candidate, skip: Collection[str] = ()) -> tuple[Path, int]:
-        """(the quantized graph's path, its tensor bytes); MatMuls of ``skip`` stay fp32 too."""
+    def build(self, candidate: Candidate) -> tuple[Path, int]:
+        """(the quantized graph's path, its tensor bytes)."""
         import onnx
 
         path, _ = self.smoothed(candidate.alpha)
@@ -118,7 +124,7 @@ class StaticBuilder:
         out = self.work / f"qdq-{self.built}" / f"{self.graph}.onnx"
         out.parent.mkdir(parents=True)
         quantize_qdq(path, out, self.ranges(candidate.method, candidate.alpha), candidate.method, self.per_channel,
-                     skip=set(skip) | set(candidate.fallback))
+                     skip=set(candidate.fallback))
         return out, graph_bytes(onnx.load_model(str(out), load_external_data=False))
 
 
@@ -131,44 +137,57 @@ class WeightOnlyBuilder:
 
         self.graph, self.stats, self.scheme, self.symmetric = graph, stats, scheme, symmetric
         self.fp32 = onnx.load_model(str(fp32))
-        self._awq: dict[int, object] = {}  # AWQ scales are fitted to the blocks they round in
+        # ("awq", block) or ("sq", alpha) -> (scaled model, scales); AWQ's fit the blocks they round in
+        self._fitted: dict[tuple, tuple[object, dict]] = {}
 
     def weights(self) -> list[str]:
         return [mm.weight for mm in weight_matmuls(self.fp32)]
 
     def source(self, candidate: Candidate):
-        if not candidate.awq:
-            return self.fp32
-        block = candidate.block_size
-        if block not in self._awq:
+        return self._scaled(candidate)[0]
+
+    def _scaled(self, candidate: Candidate) -> tuple[object, dict]:
+        """(the fp32 model with ``candidate``'s channel scales folded in, those scales by group)."""
+        if candidate.awq:
+            key = ("awq", candidate.block_size)
+        elif candidate.alpha is not None:
+            key = ("sq", candidate.alpha)
+        else:
+            return self.fp32, {}
+        if key not in self._fitted:
             model = _copy(self.fp32)
-            apply_smoothing(model, Path("."), awq_scales(model, Path("."), self.stats, block, BITS[self.scheme]))
-            self._awq[block] = model
-        return self._awq[block]
+            if candidate.awq:
+                scales = awq_scales(model, Path("."), self.stats, candidate.block_size, BITS[self.scheme])
+            else:
+                scales = smoothing_scales(model, Path("."), self.stats.merged_absmax(), candidate.alpha)
+            apply_smoothing(model, Path("."), scales)
+            self._fitted[key] = model, scales
+        return self._fitted[key]
 
-    def only(self, candidate: Candidate, weight: str) -> tuple[object, int]:
-        """The fp32 graph with only ``weight``'s MatMul quantized (sensitivity)."""
-        return self.build(candidate, skip=[w for w in self.weights() if w != weight])
+    def local_errors(self, candidate: Candidate, rows: dict[str, np.ndarray], threads: int | None = None,
+                     progress: Callable[[int], None] = lambda n: None) -> dict[str, float]:
+        """Each MatMul's relative output error on its calibration ``rows`` when quantized as
+        ``candidate``, computed by the MatMulNBits kernel itself (sensitivity.py)."""
+        source, scales = self._scaled(candidate)
+        reference, source, keys = initializers(self.fp32), initializers(source), group_keys(self.fp32)
 
-    def build(self, candidate: Candidate, skip: Collection[str] = ()) -> tuple[object, int]:
+        def quantize(model):
+            return quantize_weights(model, self.scheme, candidate.block_size, self.symmetric)
+
+        found = {}
+        for weight in self.weights():
+            s = scales.get(keys[weight])
+            x = rows[weight]
+            exact = x @ read_array(reference[weight], Path("."))
+            probe = quantize(probe_model(read_array(source[weight], Path("."))))
+            found[weight] = relative_error(exact, quantized_product(x if s is None else x / s, probe, threads))
+            progress(1)
+        return found
+
+    def build(self, candidate: Candidate) -> tuple[object, int]:
         model = quantize_weights(_copy(self.source(candidate)), self.scheme, candidate.block_size, self.symmetric,
-                                 fallback=set(candidate.fallback), skip=set(skip))
+                                 fallback=set(candidate.fallback))
         return model, graph_bytes(model)
-
-
-def _fake_quantize_input(model, mm, scale: float) -> None:
-    import onnx
-
-    prefix = f"sensitivity.{mm.weight}"
-    add_initializer(model, f"{prefix}.scale", np.asarray(scale, np.float32))
-    add_initializer(model, f"{prefix}.zero", np.asarray(0, np.int8))
-    q = onnx.helper.make_node("QuantizeLinear", [mm.activation, f"{prefix}.scale", f"{prefix}.zero"], [f"{prefix}.q"])
-    dq = onnx.helper.make_node("DequantizeLinear", [f"{prefix}.q", f"{prefix}.scale", f"{prefix}.zero"],
-                               [f"{prefix}.dq"])
-    position = list(model.graph.node).index(mm.node)
-    model.graph.node.insert(position, dq)
-    model.graph.node.insert(position, q)
-    mm.node.input[0] = f"{prefix}.dq"
 
 
 def _copy(model):

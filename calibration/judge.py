@@ -7,11 +7,19 @@ outputs are computed once, here, so a candidate costs one run of its own graph p
 
     decoder: perplexity ratio (<= target), top-1 agreement, mean KL; error = mean KL
     encoder: cosine to fp32, mean (>= target) and min (>= 1 - 2 (1 - target)); error = 1 - mean
+
+Speed is measured on the same session, right after: a decoder's single-token step after a
+128-token past and a 128-token prefill (both on the decode graph, as the runtime uses it), an
+encoder's embedding of one sentence; medians of repeated runs. ``cost`` is what the search
+minimizes: a decoder's milliseconds per generated token when a 128-token prompt gets 128 new
+tokens (the step, plus the prefill spread over the tokens), an encoder's milliseconds per call.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -19,6 +27,7 @@ from llmx.artifact.manifest import Manifest
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import decode_feed
 from llmx.compare import Agreement, cosine
+from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.runtime.onnx_backend import session_options
 from llmx.runtime.sampling import log_softmax
 
@@ -38,6 +47,20 @@ def session(model, threads: int | None):
     return ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
 
 
+SPEED_CONTEXT = 128  # prompt tokens before the timed step, and tokens of the timed prefill
+STEP_RUNS, PREFILL_RUNS = 24, 3
+
+
+def median_ms(run: Callable[[], object], runs: int) -> float:
+    run()  # the first call allocates and plans: not what serving sees
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return round(float(np.median(times)) * 1e3, 3)
+
+
 class DecoderJudge:
     graph = "decode"
 
@@ -47,17 +70,34 @@ class DecoderJudge:
         self.feeds = [self._feed(reference, manifest, w) for w in windows]
         self.targets = [np.asarray(w[1:]) for w in windows]
         self.reference = [log_softmax(reference.run(["logits"], f)[0][0, :-1]) for f in self.feeds]
+        self._speed_feeds(reference, manifest, windows[0])
+        self.fp32_speed = self.speed(reference)
 
     @staticmethod
-    def _feed(reference, manifest: Manifest, window: list[int]) -> dict:
+    def _feed(reference, manifest: Manifest, window: list[int], past_len: int = 0) -> dict:
         past = [i for i in reference.get_inputs() if i.name.startswith("past_key_values.")]
-        empty = [np.zeros((1, p.shape[1], 0, p.shape[3]), np.float32) for p in past]
-        return decode_feed(manifest, window, empty, 0, len(window))
+        presents = [np.zeros((1, p.shape[1], past_len, p.shape[3]), np.float32) for p in past]
+        return decode_feed(manifest, window, presents, past_len, len(window) - past_len)
 
-    def score(self, candidate) -> dict:
+    def _speed_feeds(self, reference, manifest: Manifest, window: list[int]) -> None:
+        self.context = min(SPEED_CONTEXT, manifest.max_seq_len - 1)
+        tokens = (window * (1 + self.context // max(1, len(window))))[:self.context + 1]
+        self.prefill = self._feed(reference, manifest, tokens[:self.context])
+        self.step = self._feed(reference, manifest, tokens, past_len=self.context)  # a zero past: timing only
+        if any(i.name == LOGITS_TO_KEEP for i in reference.get_inputs()):  # the runtime's prefill keeps one
+            self.prefill[LOGITS_TO_KEEP] = np.asarray(1, np.int64)
+
+    def speed(self, candidate) -> dict:
+        step = median_ms(lambda: candidate.run(["logits"], self.step), STEP_RUNS)
+        prefill = median_ms(lambda: candidate.run(["logits"], self.prefill), PREFILL_RUNS)
+        return {"step_ms": step, "prefill_ms": prefill, "decode_tok_s": round(1e3 / step, 1),
+                "cost_ms": round(step + prefill / self.context, 3)}
+
+    def score(self, candidate, progress: Callable[[int], None] = lambda n: None) -> dict:
         result = Agreement()
         for feed, ref, targets in zip(self.feeds, self.reference, self.targets):
             result.add(ref, log_softmax(candidate.run(["logits"], feed)[0][0, :-1]), targets)
+            progress(1)
         summary = result.summary()
         return {k: summary[k] for k in ("perplexity_ratio", "top1_agreement", "mean_kl")}
 
@@ -65,24 +105,53 @@ class DecoderJudge:
     def error(quality: dict) -> float:
         return quality["mean_kl"]
 
+    # The search's fallback count is predicted on this scale: how far past fp32 a candidate is,
+    # and how far the target allows.
+    @staticmethod
+    def excess(quality: dict) -> float:
+        return max(float(np.log(quality["perplexity_ratio"])), 0.0)
+
+    @staticmethod
+    def budget(target: float) -> float:
+        return float(np.log(target))
+
 
 class EncoderJudge:
     graph = "embed"
 
     def __init__(self, fp32_graph: Path, manifest: Manifest, inputs: list[list[int]], threads: int | None):
         self.feeds = list(EncoderFeeds(inputs)(self.graph))
-        self.reference = self._vectors(session(fp32_graph, threads))
+        reference = session(fp32_graph, threads)
+        self.reference = self._vectors(reference)
+        self.fp32_speed = self.speed(reference)
 
-    def _vectors(self, candidate) -> np.ndarray:
-        return np.concatenate([candidate.run(None, feed)[0] for feed in self.feeds])
+    def _vectors(self, candidate, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
+        vectors = []
+        for feed in self.feeds:
+            vectors.append(candidate.run(None, feed)[0])
+            progress(1)
+        return np.concatenate(vectors)
 
-    def score(self, candidate) -> dict:
-        cos = cosine(self.reference, self._vectors(candidate))
+    def speed(self, candidate) -> dict:
+        embed = median_ms(lambda: candidate.run(None, self.feeds[0]), STEP_RUNS)
+        return {"embed_ms": embed, "cost_ms": embed}
+
+    def score(self, candidate, progress: Callable[[int], None] = lambda n: None) -> dict:
+        cos = cosine(self.reference, self._vectors(candidate, progress))
         return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
 
     @staticmethod
     def error(quality: dict) -> float:
         return 1.0 - quality["cosine_mean"]
+
+    @staticmethod
+    def excess(quality: dict) -> float:
+        # both of meets()'s bounds on one scale: mean >= target, min >= 1 - 2 (1 - target)
+        return max(1.0 - quality["cosine_mean"], (1.0 - quality["cosine_min"]) / 2)
+
+    @staticmethod
+    def budget(target: float) -> float:
+        return 1.0 - target
 
 
 def make_judge(fp32_graphs: dict[str, Path], manifest: Manifest, held_out: list[list[int]], threads: int | None):

@@ -50,8 +50,8 @@ class CalibrationOptions:
                              f"got {self.search.target}")
         if self.awq and self.scheme == "w8a8":
             raise InputError("--awq applies to weight-only schemes (w8, w4); w8a8 has SmoothQuant")
-        if self.smoothquant is not None and self.scheme != "w8a8":
-            raise InputError("--smoothquant applies to w8a8 only (weight-only schemes leave activations in fp32)")
+        if self.smoothquant is not None and self.awq:
+            raise InputError("--smoothquant and --awq both rescale channels before rounding; give one of them")
         if self.scheme != "w8a8" and self.block_size is not None:
             check_block_size(self.block_size)
         return self
@@ -64,9 +64,10 @@ class CalibrationOptions:
 
     def precision(self) -> Precision:
         """The manifest's ``precision`` section for this scheme."""
-        # "fallback": the MatMuls (weight names) kept in fp32 (w8a8), at accuracy level 0 (w8), 8-bit (w4).
+        # "fallback": the MatMuls (weight names) kept in fp32 (w8a8, w8) or at 8 bits (w4).
         if self.scheme == "w8a8":
             return Precision(weights="int8", activations="int8", scheme=self.scheme, method=self.method,
                              smoothquant=self.smoothquant, per_channel=self.per_channel, symmetric=True,
                              fallback=list(self.fallback))
-        return weight_only_precision(self.scheme, self.block_size, self.symmetric, self.awq, self.fallback)
+        return weight_only_precision(self.scheme, self.block_size, self.symmetric, self.awq, self.fallback,
+                                     self.smoothquant)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable
 
 from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
@@ -21,29 +20,13 @@ from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import Feeds
 from llmx.calibration.matmuls import declare_activation_types, name_nodes
 from llmx.calibration.options import CalibrationOptions
+from llmx.calibration.progress import Progress, silent
 from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
 from llmx.calibration.static import activation_scales, collect_ranges, minmax_ranges, quantize_qdq
 from llmx.calibration.tensorrt_cache import TRT_VERSION, write_tables
 from llmx.calibration.weight_only import BITS, quantize_weights
 
 
-class _Silent:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-
-# progress(description, total) -> a context manager whose value has .update(n) (tqdm fits).
-Progress = Callable[[str, int], object]
-
-
-def silent(description: str, total: int) -> _Silent:
-    return _Silent()
 
 
 def quantize_graphs(source: Artifact, windows: list[list[int]], options: CalibrationOptions, work: Path,
@@ -58,19 +41,19 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     paths = prepare_fp32(source, work / "fp32")
     feeds = make_feeds(source, windows, options.threads)
     needs_stats = options.smoothquant is not None or options.awq or options.method == "minmax"
-    if stats is None and needs_stats and (options.scheme == "w8a8" or options.awq):
+    if stats is None and needs_stats and (options.scheme == "w8a8" or options.awq or options.smoothquant is not None):
         with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
             stats = collect_stats(paths, feeds, bar.update, options.threads)
     record: dict = {"fallback": list(options.fallback)} if options.fallback else {}
-    if options.scheme != "w8a8":
-        if options.awq:
-            paths, record["awq"] = awq_graphs(paths, stats, options, work / "awq")
-        return weight_only_graphs(paths, options), None, record
     scales = None
     if options.smoothquant is not None:
         paths, record["smoothquant"] = smooth_graphs(paths, feeds, options, work / "smooth", progress,
                                                      stats.merged_absmax() if stats else None)
         scales = record["smoothquant"].pop("scales")
+    if options.scheme != "w8a8":
+        if options.awq:
+            paths, record["awq"] = awq_graphs(paths, stats, options, work / "awq")
+        return weight_only_graphs(paths, options), None, record
     return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
 
 

@@ -4,14 +4,18 @@
        held-out split for reference outputs (judge.py); nothing later reruns the fp32 model
     2. recipes: range method x SmoothQuant alpha (w8a8; minmax first, whose ranges come free from
        the statistics, then percentile if no minmax recipe meets) or RTN/AWQ (w4) x block size
-       (w8/w4; 128 first, the faster kernel, then 32 if no block-128 recipe meets), scored
-    3. if none meets the target: each MatMul's sensitivity, measured once on the best recipe
-       (the error it alone causes when it is the only quantized MatMul), then the fewest most
-       sensitive MatMuls kept in higher precision (doubling, then bisecting the count)
-    4. the fastest candidate meeting the target (fewest fallbacks, then the larger block; then
-       the lowest error)
+       (w8/w4; 128 first, then smaller blocks only if no block-128 recipe meets), scored for
+       quality and timed
+    3. if none meets the target: each MatMul's sensitivity in one local pass on the best recipe
+       (its own output error on calibration rows, sensitivity.py), then the fewest most
+       sensitive MatMuls kept in higher precision (doubling, then bisecting the count; every
+       count is a full evaluation)
+    4. the fastest candidate meeting the target, by its measured cost per generated token;
+       candidates within the timing noise of the fastest are told apart by fewest fallbacks,
+       the larger block, then the lowest error
 
-Every candidate's quality, size and time goes into the report's ``search`` section.
+Every candidate's quality, speed, size and time goes into the report's ``search`` section, and
+a pick slower than the fp32 graph is said loudly.
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
+from llmx.calibration.activations import ActivationStats
 from llmx.calibration.candidates import Candidate, StaticBuilder, WeightOnlyBuilder, by_sensitivity
 from llmx.calibration.judge import make_judge, meets, session
+from llmx.calibration.progress import Progress, silent
 from llmx.errors import LlmxError
 
 # Perplexity ratio per scheme (decoders); encoders: mean cosine to fp32.
@@ -31,10 +39,19 @@ DEFAULT_TARGETS = {"w8a8": 1.02, "w8": 1.005, "w4": 1.03}
 ENCODER_TARGET = 0.99
 METHODS = ("minmax", "percentile")  # entropy: slower and never ahead of these two here
 ALPHAS = (None, 0.5, 0.8)
-# w8/w4 input channels per scale, fastest first. MatMulNBits is compute-bound on CPUs and 128
-# (the AWQ/GPTQ group size) decodes 7-12 % and prefills ~25 % faster than 32 on the SmolLM-135M
-# shape; 32 (onnxruntime-genai's default, and the unsearched one) is the quality fallback.
-BLOCK_SIZES = (128, 32)
+# w8/w4 input channels per scale, in the order tried. MatMulNBits is compute-bound on CPUs and
+# 128 (the AWQ/GPTQ group size) decodes 7-12 % and prefills ~25 % faster than 32 on the
+# SmolLM-135M shape; 32 (onnxruntime-genai's default, and the unsearched one) is the quality
+# fallback. 8-bit blocks of 16 decode as fast as 128 (int8 activations rounded per 16 values:
+# much closer to fp32); 4-bit blocks of 16 are 1.4-3.5x slower than 32, so w4 stops at 32.
+BLOCK_SIZES = {"w8": (128, 32, 16), "w4": (128, 32)}
+# Timings of one candidate vary by a few percent between back-to-back runs on a quiet box:
+# candidates this close to the fastest are told apart by what is certain (fallbacks, block).
+SPEED_TOLERANCE = 1.05
+# The fallback count is predicted from local errors (Search.fewest_fallbacks): aim a little inside
+# the target, and stop after a few full evaluations.
+PREDICTION_MARGIN = 0.85
+MAX_FALLBACK_EVALUATIONS = 8
 
 
 class TargetNotMetError(LlmxError):
@@ -47,7 +64,7 @@ class SearchSpace:
     methods: tuple[str, ...] = METHODS
     alphas: tuple[float | None, ...] = ALPHAS
     awq: tuple[bool, ...] = (False, True)  # w4 only; w8 keeps round-to-nearest
-    block_sizes: tuple[int, ...] = BLOCK_SIZES  # w8/w4, one tier each in this order
+    block_sizes: tuple[int, ...] | None = None  # w8/w4, one tier each in this order; None: BLOCK_SIZES
     fallback: bool = True
 
     def target_for(self, scheme: str, encoder: bool) -> float:
@@ -60,8 +77,13 @@ class SearchSpace:
         first: minmax ranges follow from the statistics, the other methods rerun a calibrator.
         w8/w4, fastest first: one tier per block size."""
         if scheme != "w8a8":
-            awq = self.awq if scheme == "w4" else (False,)
-            return [[Candidate(awq=a, block_size=b) for a in awq] for b in self.block_sizes]
+            # w8's error is mostly MatMulNBits' INT8 activations (rounded per block): SmoothQuant
+            # flattens their loud channels. w4's is mostly its weights: AWQ, unless --smoothquant asks.
+            if scheme == "w8" or self.alphas != ALPHAS:
+                grid = [dict(alpha=a) for a in self.alphas]
+            else:
+                grid = [dict(awq=a) for a in self.awq]
+            return [[Candidate(block_size=b, **g) for g in grid] for b in self.block_sizes or BLOCK_SIZES[scheme]]
         tiers = [[m for m in self.methods if m == "minmax"], [m for m in self.methods if m != "minmax"]]
         return [[Candidate(method=m, alpha=a) for a in self.alphas for m in tier] for tier in tiers if tier]
 
@@ -71,67 +93,89 @@ def describe_target(target: float, encoder: bool) -> str:
 
 
 class Search:
-    def __init__(self, judge, builder, target: float, threads: int | None, log: Callable[[str], None]):
+    def __init__(self, judge, builder, target: float, threads: int | None, log: Callable[[str], None],
+                 progress: Progress = silent):
         self.judge, self.builder, self.target, self.threads, self.log = judge, builder, target, threads, log
+        self.progress = progress
         self.rows: list[dict] = []
 
-    def score(self, candidate: Candidate, only: str | None = None) -> tuple[dict, int]:
-        graph, size = self.builder.build(candidate) if only is None else self.builder.only(candidate, only)
+    def score(self, candidate: Candidate) -> tuple[dict, dict, int]:
+        """(quality, speed, graph bytes) of ``candidate``'s searched graph."""
+        graph, size = self.builder.build(candidate)
         scorer = session(graph, self.threads)
         if isinstance(graph, Path):  # the session holds the weights now; a search writes many graphs
             shutil.rmtree(graph.parent)
-        return self.judge.score(scorer), size
+        with self.progress(f"scoring {candidate.label()}", len(self.judge.feeds)) as bar:
+            quality = self.judge.score(scorer, bar.update)
+        return quality, self.judge.speed(scorer), size
 
     def attempt(self, candidate: Candidate, stage: str) -> dict:
         start = time.perf_counter()
-        quality, size = self.score(candidate)
+        quality, speed, size = self.score(candidate)
         row = {"stage": stage, "label": candidate.label(), "method": candidate.method, "smoothquant": candidate.alpha,
                "awq": candidate.awq, "block_size": candidate.block_size, "fallback": list(candidate.fallback),
-               **quality, "graph_bytes": size, "meets": meets(quality, self.target),
+               **quality, **speed, "graph_bytes": size, "meets": meets(quality, self.target),
                "seconds": round(time.perf_counter() - start, 2)}
         self.rows.append(row)
         self.log(format_row(row))
         return row
 
-    def sensitivity(self, base: Candidate) -> dict[str, float]:
-        found = {}
-        for weight in self.builder.weights():
-            quality, _ = self.score(base, only=weight)
-            found[weight] = self.judge.error(quality)
-        return found
+    def sensitivity(self, base: Candidate, stats: ActivationStats) -> dict[str, float]:
+        with self.progress("sensitivity (one pass)", len(self.builder.weights())) as bar:
+            return self.builder.local_errors(base, stats.rows, self.threads, bar.update)
 
-    def fewest_fallbacks(self, base: Candidate, order: list[str]) -> None:
-        """Try 1, 2, 4, ... fallbacks until the target holds, then bisect down to the fewest."""
-        def holds(n: int) -> bool:
-            return self.attempt(replace(base, fallback=tuple(order[:n])), "fallback")["meets"]
+    def fewest_fallbacks(self, base_row: dict, order: list[str], sensitivity: dict[str, float]) -> None:
+        """The fewest of ``order`` (most sensitive first) kept in higher precision that meet the target.
 
-        low, n = 0, 1
-        while n < len(order) and not holds(n):
-            low, n = n, n * 2
-        if n >= len(order):
-            n = len(order)
-            if not holds(n):
+        The count is predicted, then checked: the model's excess error (judge.excess) is taken as
+        proportional to the local error still quantized, the factor fitted on the base recipe and
+        refitted on every full evaluation; the counts known to miss and to meet bracket the next
+        prediction. A few evaluations instead of doubling and bisecting (2 log2 n of them).
+        """
+        base = candidate_of(base_row)
+        errors = np.asarray([sensitivity[w] for w in order], np.float64)
+        left = errors.sum() - np.concatenate([[0.0], np.cumsum(errors)])  # left[n]: local error still quantized
+        budget = self.judge.budget(self.target) * PREDICTION_MARGIN
+        factor = self.judge.excess(base_row) / max(left[0], 1e-30)
+        low, high = 0, len(order) + 1  # low misses (the base recipe); high: none known to meet yet
+        for _ in range(MAX_FALLBACK_EVALUATIONS):
+            fits = np.nonzero(factor * left <= budget)[0]
+            predicted = int(fits[0]) if len(fits) else len(order)
+            # until a count meets, grow by half at least: a prediction that keeps falling short
+            # (the error not proportional to the local one) still brackets the count in a few steps
+            floor = low + 1 if high <= len(order) else low + max(1, (low + 1) // 2)
+            n = min(max(predicted, floor), high - 1)
+            if n <= low:
                 return
-        while n - low > 1:  # holds(n) and not holds(low)
-            middle = (low + n) // 2
-            low, n = (low, middle) if holds(middle) else (middle, n)
+            row = self.attempt(replace(base, fallback=tuple(order[:n])), "fallback")
+            if row["meets"]:
+                high = n
+            else:
+                low = n
+            if left[n] > 0:
+                factor = self.judge.excess(row) / left[n]
+            if high - low <= max(1, high // 8):  # within an eighth of the fewest: not worth more evaluations
+                return
 
-
-def run_search(paths: dict[str, Path], manifest, feeds, stats, held_out: list[list[int]], options, space: SearchSpace,
-               work: Path, log: Callable[[str], None] = lambda msg: None) -> tuple[Candidate, dict]:
-    """(the chosen candidate, the search record) for ``options.scheme`` on the fp32 ``paths``."""
+def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], ActivationStats], held_out: list[list[int]],
+               options, space: SearchSpace, work: Path, log: Callable[[str], None] = lambda msg: None,
+               progress: Progress = silent) -> tuple[Candidate, dict]:
+    """(the chosen candidate, the search record) for ``options.scheme`` on the fp32 ``paths``;
+    ``stats()`` gives the activation statistics, collected on first call."""
     start = time.perf_counter()
     encoder = manifest.kind == "encoder"
     target = space.target_for(options.scheme, encoder)
     judge = make_judge(paths, manifest, held_out, options.threads)
     reference_seconds = time.perf_counter() - start
     if options.scheme == "w8a8":
-        builder = StaticBuilder(paths[judge.graph], judge.graph, stats, feeds, options.per_channel, work)
+        builder = StaticBuilder(paths[judge.graph], judge.graph, stats(), feeds, options.per_channel, work)
     else:
-        builder = WeightOnlyBuilder(paths[judge.graph], judge.graph, stats, options.scheme, options.symmetric)
+        scaled = any(c.awq or c.alpha is not None for tier in space.recipes(options.scheme) for c in tier)
+        builder = WeightOnlyBuilder(paths[judge.graph], judge.graph, stats() if scaled else None, options.scheme,
+                                    options.symmetric)
     log(f"search: {describe_target(target, encoder)} on {len(held_out)} held-out "
-        f"{'sentences' if encoder else 'windows'} ({judge.graph} graph)")
-    search = Search(judge, builder, target, options.threads, log)
+        f"{'sentences' if encoder else 'windows'} ({judge.graph} graph); fp32 {format_speed(judge.fp32_speed)}")
+    search = Search(judge, builder, target, options.threads, log, progress)
     recipes: list[dict] = []
     for tier in space.recipes(options.scheme):
         if any(r["meets"] for r in recipes):
@@ -139,14 +183,20 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats, held_out: list[li
         recipes += [search.attempt(c, "recipe") for c in tier]
     sensitivity = {}
     if not any(r["meets"] for r in recipes) and space.fallback:
-        base = candidate_of(min(recipes, key=judge.error))
-        log(f"search: no recipe meets the target; measuring each MatMul's sensitivity on {base.label()}")
-        sensitivity = search.sensitivity(base)
-        search.fewest_fallbacks(base, by_sensitivity(builder.weights(), sensitivity))
+        best = min(recipes, key=judge.error)
+        log(f"search: no recipe meets the target; ranking each MatMul's sensitivity on {best['label']}")
+        sensitivity = search.sensitivity(candidate_of(best), stats())
+        search.fewest_fallbacks(best, by_sensitivity(builder.weights(), sensitivity), sensitivity)
     chosen = pick(search.rows, judge.error)
+    slower = chosen["cost_ms"] > judge.fp32_speed["cost_ms"]
+    if slower:
+        log(f"WARNING: the chosen {chosen['label']} runs slower than the fp32 graph it came from "
+            f"({format_speed(chosen)} vs fp32 {format_speed(judge.fp32_speed)}): no faster configuration "
+            "met the target on this machine")
     record = {"target": target, "measure": describe_target(target, encoder), "graph": judge.graph,
               "held_out": len(held_out), "candidates": search.rows, "chosen": search.rows.index(chosen),
-              "met": chosen["meets"], "sensitivity": sensitivity,
+              "met": chosen["meets"], "sensitivity": sensitivity, "fp32": judge.fp32_speed,
+              "slower_than_fp32": slower,
               "seconds": {"reference": round(reference_seconds, 2), "search": round(time.perf_counter() - start, 2)}}
     return candidate_of(chosen), record
 
@@ -157,12 +207,14 @@ def candidate_of(row: dict) -> Candidate:
 
 
 def pick(rows: list[dict], error: Callable[[dict], float]) -> dict:
-    """The fastest row meeting the target (fewest fallbacks, then the larger block, then lowest error);
-    else the lowest error."""
+    """The fastest row meeting the target by measured cost; among rows within SPEED_TOLERANCE of
+    it, fewest fallbacks, then the larger block, then the lowest error. If none meets: the lowest error."""
     meeting = [r for r in rows if r["meets"]]
-    if meeting:
-        return min(meeting, key=lambda r: (len(r["fallback"]), -(r["block_size"] or 0), error(r)))
-    return min(rows, key=error)
+    if not meeting:
+        return min(rows, key=error)
+    fastest = min(r["cost_ms"] for r in meeting)
+    near = [r for r in meeting if r["cost_ms"] <= fastest * SPEED_TOLERANCE]
+    return min(near, key=lambda r: (len(r["fallback"]), -(r["block_size"] or 0), error(r)))
 
 
 def apply(options, candidate: Candidate):
@@ -171,7 +223,7 @@ def apply(options, candidate: Candidate):
     if options.scheme == "w8a8":
         changes.update(method=candidate.method, smoothquant=candidate.alpha)
     else:
-        changes.update(block_size=candidate.block_size)
+        changes.update(block_size=candidate.block_size, smoothquant=candidate.alpha)
     return replace(options, **changes)
 
 
@@ -181,8 +233,14 @@ def format_row(row: dict) -> str:
     else:
         quality = f"ppl x{row['perplexity_ratio']:.4f} top1 {row['top1_agreement']:6.2%} KL {row['mean_kl']:.5f}"
     mark = "meets" if row["meets"] else "-"
-    return (f"  {row['stage']:9}{row['label']:28}{quality:44}{row['graph_bytes'] / 2**20:8.2f} MiB"
-            f"{row['seconds']:7.1f} s  {mark}")
+    return (f"  {row['stage']:9}{row['label']:28}{quality:44}{format_speed(row):>28}"
+            f"{row['graph_bytes'] / 2**20:8.2f} MiB{row['seconds']:7.1f} s  {mark}")
+
+
+def format_speed(speed: dict) -> str:
+    if "decode_tok_s" in speed:
+        return f"{speed['decode_tok_s']:7.1f} tok/s, prefill {speed['prefill_ms']:.0f} ms"
+    return f"{speed['embed_ms']:.2f} ms/embedding"
 
 
 def format_search(record: dict) -> str:
@@ -193,5 +251,6 @@ def format_search(record: dict) -> str:
         top = sorted(record["sensitivity"].items(), key=lambda kv: -kv[1])[:5]
         rows.append("  most sensitive MatMuls: " + ", ".join(f"{w} ({e:.3g})" for w, e in top))
     seconds = record["seconds"]
+    rows.append(f"  fp32: {format_speed(record['fp32'])}" + ("; the chosen one is SLOWER" if record["slower_than_fp32"] else ""))
     rows.append(f"  search took {seconds['search']:.1f} s (fp32 reference {seconds['reference']:.1f} s)")
     return "\n".join(rows)

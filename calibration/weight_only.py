@@ -8,8 +8,10 @@ CPU kernel multiply in INT8 (activations quantized per block on the fly), which 
 MatMulNBits fast on CPUs; without it 8-bit weights are dequantized to fp32 on every call.
 
 Per-MatMul precision (the search's fallback, keyed by weight name): under w8 a ``fallback``
-weight keeps INT8 weights but computes at ``accuracy_level`` 0 (no INT8 activations); under w4
-it gets 8-bit instead of 4-bit weights. ``skip`` weights stay fp32 MatMuls.
+weight stays an fp32 MatMul; under w4 it gets 8-bit instead of 4-bit weights. Both stay fast:
+``accuracy_level`` 0 (fp32 compute from INT8 weights) dequantizes the whole weight on every
+call and measured 10x slower than the fp32 MatMul and 25x slower than level 4 on this CPU
+(576x6144, one row), so no fallback uses it. ``skip`` weights stay fp32 MatMuls.
 
 Activations are not calibrated: the data drives only the quality report (and AWQ's scales,
 applied before this step). Quantized weight names follow the fp32 names (``<weight>_Q4``,
@@ -30,19 +32,13 @@ def quantize_weights(model, scheme: str, block_size: int, symmetric: bool, fallb
     """Replace the weight MatMuls of ``model`` (weights loaded) with MatMulNBits; returns the new model."""
     check_block_size(block_size)
     name_nodes(model)  # the quantizer selects nodes by name; unnamed ones would all match ""
+    if scheme == "w8":
+        skip = set(skip) | set(fallback)
     matmuls = [mm for mm in weight_matmuls(model) if mm.weight not in skip]
     held = [mm.node.name for mm in matmuls if mm.weight in fallback]
     rest = [mm.node.name for mm in matmuls if mm.weight not in fallback]
-    if scheme == "w4":
-        model = _nbits(model, 8, held, block_size, symmetric)
-        return _nbits(model, 4, rest, block_size, symmetric)
-    model = _nbits(model, 8, held + rest, block_size, symmetric)
-    exact = {f"{w}_Q8" for w in fallback}
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and node.input[1] in exact:
-            for attr in [a for a in node.attribute if a.name == "accuracy_level"]:
-                node.attribute.remove(attr)  # level 0: fp32 compute, the attribute's default
-    return model
+    model = _nbits(model, 8, held, block_size, symmetric)
+    return _nbits(model, BITS[scheme], rest, block_size, symmetric)
 
 
 def _nbits(model, bits: int, nodes: list[str], block_size: int, symmetric: bool):

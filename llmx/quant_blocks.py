@@ -232,10 +232,11 @@ def offset_nodes(x: str, y_main: str, y: str, offsets: str, k: int, block_size: 
 
 
 def weight_only_precision(scheme: str, block_size: int, symmetric: bool, awq: bool = False,
-                          fallback: list[str] | tuple[str, ...] = ()):
+                          fallback: list[str] | tuple[str, ...] = (), smoothquant: float | None = None):
     """The manifest's ``precision`` section of a w8/w4 (MatMulNBits) artifact."""
     return Precision(weights="int8" if scheme == "w8" else "int4", activations="float32", scheme=scheme,
-                     block_size=block_size, symmetric=symmetric, awq=awq, fallback=list(fallback))
+                     block_size=block_size, symmetric=symmetric, awq=awq, fallback=list(fallback),
+                     smoothquant=smoothquant)
 
 
 def stored_precision(quantized: dict[str, NBitsWeight]) -> Precision:

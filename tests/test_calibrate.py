@@ -413,14 +413,14 @@ def _bad_inputs(tmp: Path, text: Path) -> dict[str, tuple[list[str], str]]:
         "block": (["--data", str(text), "--scheme", "w4", "--block-size", "48"], "power of two"),
         "block-word": (["--data", str(text), "--scheme", "w4", "--block-size", "big"], "power of two >= 16 or 'auto'"),
         "alpha": (["--data", str(text), "--scheme", "w8a8", "--smoothquant", "1.5"], "alpha must be in [0, 1]"),
-        "sq-weight-only": (["--data", str(text), "--scheme", "w8", "--smoothquant", "0.5"], "w8a8 only"),
+        "sq-and-awq": (["--data", str(text), "--scheme", "w4", "--smoothquant", "0.5", "--awq"], "--smoothquant and --awq"),
         "seq-len": (["--data", str(text), "--scheme", "w8", "--seq-len", "4096"], "maximum length"),
         "eval-data": (["--data", str(text), "--eval-data", str(tmp / "tiny.txt"), "--scheme", "w8"], "--eval-data gives no window"),
     }
 
 
 @pytest.mark.parametrize("case", ["empty", "tiny", "non-utf8", "non-utf8-in-folder", "jsonl", "missing", "scheme",
-                                  "method", "block", "block-word", "alpha", "sq-weight-only", "seq-len", "eval-data"])
+                                  "method", "block", "block-word", "alpha", "sq-and-awq", "seq-len", "eval-data"])
 def test_bad_input_is_one_clear_error_and_nothing_written(case, store, calib_text, tmp_path, capsys):
     inputs = tmp_path / "inputs"
     inputs.mkdir()

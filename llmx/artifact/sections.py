@@ -115,7 +115,7 @@ class Precision(Section):
     kv_cache: str | None = None  # "int8" when calibrate quantized the KV cache
     compute_dtype: str | None = None  # build: the float dtype non-quantized math runs in ("float" in schema 1)
     method: str | None = None  # w8a8: activation range method
-    smoothquant: float | None = None  # w8a8: SmoothQuant alpha
+    smoothquant: float | None = None  # SmoothQuant alpha (w8a8; w8/w4: before MatMulNBits' int8 activations)
     per_channel: bool | None = None  # w8a8: per-channel weight scales
     symmetric: bool | None = None  # no zero points
     block_size: int | None = None  # w8/w4: input channels per scale

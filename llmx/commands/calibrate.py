@@ -72,7 +72,8 @@ def register(cli: click.Group) -> None:
                   help="w8a8 activation ranges: minmax, entropy or percentile (fixes the search's choice; "
                        "without search: percentile).")
     @click.option("--smoothquant", "alpha", callback=_alpha, default=None,
-                  help="w8a8: SmoothQuant alpha (e.g. 0.5), or 'off' (fixes the search's choice; without search: off).")
+                  help="SmoothQuant alpha (e.g. 0.5), or 'off': w8a8, and w8/w4 whose MatMulNBits round activations "
+                       "to INT8 (fixes the search's choice; without search: off).")
     @click.option("--awq/--no-awq", default=None, help="w4/w8: AWQ activation-aware scales (fixes the search's choice; "
                                                        "without search: off).")
     @click.option("--per-channel/--per-tensor", default=True, show_default=True, help="w8a8 weight scales.")
@@ -103,10 +104,12 @@ def register(cli: click.Group) -> None:
         llmx calibrate ./art --data calib.txt --kv-cache int8 -o ./art-kv8          # int8 KV cache alone
         llmx calibrate ./art --data calib.txt --scheme w8 --kv-cache int8 -o ./art-w8-kv8
 
-        By default the search tries range methods and SmoothQuant alphas (w8a8) or AWQ (w4) at
-        block size 128 then 32 (w8/w4; 32 only if no 128 recipe meets --target), then keeps the most sensitive MatMuls in higher precision until --target holds, and picks the
-        fastest configuration that meets it; if none does, it says so and exits non-zero (--force
-        keeps the best). Both graphs are quantized (decode calibrated on real KV caches). The new
+        By default the search tries range methods and SmoothQuant alphas (w8a8, w8) or AWQ (w4)
+        at block size 128, then smaller blocks only if no 128 recipe meets --target (w8: 32, 16;
+        w4: 32), then keeps the most sensitive MatMuls (ranked in one local pass) in higher
+        precision until --target holds. Every candidate is timed on this machine, and the
+        fastest that meets the target is picked; if none does, it says so and exits non-zero
+        (--force keeps the best). Both graphs are quantized (decode calibrated on real KV caches). The new
         artifact holds quality.json: perplexity fp32 vs quantized on held-out text, top-1
         agreement, mean KL, graph sizes and the whole search; w8a8 also holds TensorRT
         calibration tables under tensorrt/.
