@@ -55,6 +55,16 @@ class ActivationStats:
                 self.rows[weight] = take if kept is None else np.concatenate([kept, take])[:SAMPLE_ROWS]
 
 
+def statistics_graphs(paths: dict[str, Path], scheme: str) -> dict[str, Path]:
+    """The graphs whose MatMul inputs the statistics watch. w8a8 sets each graph's own ranges; the
+    weight-only schemes use them merged (SmoothQuant, AWQ, sensitivity rows), and a decoder's decode
+    feeds give its MatMuls the values prefill computes at some of the same positions: prefill alone
+    (about half the statistics pass)."""
+    if scheme != "w8a8" and "prefill" in paths:
+        return {"prefill": paths["prefill"]}
+    return paths
+
+
 def collect_stats(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
                   progress: Callable[[int], None] = lambda n: None, threads: int | None = None) -> ActivationStats:
     """Run each fp32 graph once over its feeds, watching the inputs of its weight MatMuls."""

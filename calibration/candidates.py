@@ -115,6 +115,16 @@ class StaticBuilder:
         shutil.rmtree(probe)
         return found
 
+    def only(self, candidate: Candidate, weights: list[str]) -> Path:
+        """The graph with only ``weights``' MatMuls quantized as ``candidate`` (the rest fp32)."""
+        path, _ = self.smoothed(candidate.alpha)
+        self.built += 1
+        out = self.work / f"qdq-{self.built}" / f"{self.graph}.onnx"
+        out.parent.mkdir(parents=True)
+        quantize_qdq(path, out, self.ranges(candidate.method, candidate.alpha), candidate.method, self.per_channel,
+                     skip=set(self.weights()) - set(weights))
+        return out
+
     def build(self, candidate: Candidate) -> tuple[Path, int]:
         """(the quantized graph's path, its tensor bytes)."""
         import onnx
@@ -183,6 +193,11 @@ class WeightOnlyBuilder:
             found[weight] = relative_error(exact, quantized_product(x if s is None else x / s, probe, threads))
             progress(1)
         return found
+
+    def only(self, candidate: Candidate, weights: list[str]):
+        """The model with only ``weights``' MatMuls quantized as ``candidate`` (the rest fp32)."""
+        return quantize_weights(_copy(self.source(candidate)), self.scheme, candidate.block_size, self.symmetric,
+                                skip=set(self.weights()) - set(weights))
 
     def build(self, candidate: Candidate) -> tuple[object, int]:
         model = quantize_weights(_copy(self.source(candidate)), self.scheme, candidate.block_size, self.symmetric,

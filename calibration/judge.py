@@ -93,9 +93,10 @@ class DecoderJudge:
         return {"step_ms": step, "prefill_ms": prefill, "decode_tok_s": round(1e3 / step, 1),
                 "cost_ms": round(step + prefill / self.context, 3)}
 
-    def score(self, candidate, progress: Callable[[int], None] = lambda n: None) -> dict:
+    def score(self, candidate, progress: Callable[[int], None] = lambda n: None, limit: int | None = None) -> dict:
+        """Quality on the held-out windows (the first ``limit`` of them)."""
         result = Agreement()
-        for feed, ref, targets in zip(self.feeds, self.reference, self.targets):
+        for feed, ref, targets in list(zip(self.feeds, self.reference, self.targets))[:limit]:
             result.add(ref, log_softmax(candidate.run(["logits"], feed)[0][0, :-1]), targets)
             progress(1)
         summary = result.summary()
@@ -125,9 +126,10 @@ class EncoderJudge:
         self.reference = self._vectors(reference)
         self.fp32_speed = self.speed(reference)
 
-    def _vectors(self, candidate, progress: Callable[[int], None] = lambda n: None) -> np.ndarray:
+    def _vectors(self, candidate, progress: Callable[[int], None] = lambda n: None,
+                 limit: int | None = None) -> np.ndarray:
         vectors = []
-        for feed in self.feeds:
+        for feed in self.feeds[:limit]:
             vectors.append(candidate.run(None, feed)[0])
             progress(1)
         return np.concatenate(vectors)
@@ -136,8 +138,10 @@ class EncoderJudge:
         embed = median_ms(lambda: candidate.run(None, self.feeds[0]), STEP_RUNS)
         return {"embed_ms": embed, "cost_ms": embed}
 
-    def score(self, candidate, progress: Callable[[int], None] = lambda n: None) -> dict:
-        cos = cosine(self.reference, self._vectors(candidate, progress))
+    def score(self, candidate, progress: Callable[[int], None] = lambda n: None, limit: int | None = None) -> dict:
+        """Cosine to fp32 on the held-out inputs (the first ``limit`` batches of them)."""
+        vectors = self._vectors(candidate, progress, limit)
+        cos = cosine(self.reference[:len(vectors)], vectors)
         return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
 
     @staticmethod

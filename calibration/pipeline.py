@@ -14,7 +14,7 @@ from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer
-from llmx.calibration.activations import ActivationStats, collect_stats
+from llmx.calibration.activations import ActivationStats, collect_stats, statistics_graphs
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import Feeds
@@ -42,8 +42,9 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     feeds = make_feeds(source, windows, options.threads)
     needs_stats = options.smoothquant is not None or options.awq or options.method == "minmax"
     if stats is None and needs_stats and (options.scheme == "w8a8" or options.awq or options.smoothquant is not None):
-        with progress("activation statistics", sum(feeds.count(name) for name in paths)) as bar:
-            stats = collect_stats(paths, feeds, bar.update, options.threads)
+        graphs = statistics_graphs(paths, options.scheme)
+        with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:
+            stats = collect_stats(graphs, feeds, bar.update, options.threads)
     record: dict = {"fallback": list(options.fallback)} if options.fallback else {}
     scales = None
     if options.smoothquant is not None:
