@@ -87,7 +87,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     feeds = pipeline.make_feeds(source, split.calibration, options.threads)
     collected: dict[str, ActivationStats] = {}
 
-    def stats() -> ActivationStats:  # w8a8 and AWQ need them at once; w8 and plain w4 only for fallbacks
+    def stats() -> ActivationStats:  # w8a8 needs them at once; w8/w4 once a recipe rescales channels or falls back
         if "stats" not in collected:
             graphs = statistics_graphs(paths, options.scheme)
             with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:

@@ -142,7 +142,10 @@ class WeightOnlyBuilder:
     """w8/w4 MatMulNBits graphs of one graph at each candidate's block size, built in memory from its
     fp32 weights."""
 
-    def __init__(self, fp32: Path, graph: str, stats: ActivationStats | None, scheme: str, symmetric: bool):
+    def __init__(self, fp32: Path, graph: str, stats: Callable[[], ActivationStats] | None, scheme: str,
+                 symmetric: bool):
+        """``stats()`` gives the activation statistics (collected on first call: round-to-nearest
+        never needs them)."""
         import onnx
 
         self.graph, self.stats, self.scheme, self.symmetric = graph, stats, scheme, symmetric
@@ -167,9 +170,9 @@ class WeightOnlyBuilder:
         if key not in self._fitted:
             model = _copy(self.fp32)
             if candidate.awq:
-                scales = awq_scales(model, Path("."), self.stats, candidate.block_size, BITS[self.scheme])
+                scales = awq_scales(model, Path("."), self.stats(), candidate.block_size, BITS[self.scheme])
             else:
-                scales = smoothing_scales(model, Path("."), self.stats.merged_absmax(), candidate.alpha)
+                scales = smoothing_scales(model, Path("."), self.stats().merged_absmax(), candidate.alpha)
             apply_smoothing(model, Path("."), scales)
             self._fitted[key] = model, scales
         return self._fitted[key]

@@ -3,9 +3,10 @@
     1. statistics: one fp32 pass over the calibration data (activations.py), one over the
        held-out split for reference outputs (judge.py); nothing later reruns the fp32 model
     2. recipes: range method x SmoothQuant alpha (w8a8; minmax first, whose ranges come free from
-       the statistics, then percentile if no minmax recipe meets) or RTN/AWQ (w4) x block size
-       (w8/w4; 128 first, then smaller blocks only if no block-128 recipe meets), scored for
-       quality and timed
+       the statistics, then percentile if no minmax recipe meets) or RTN/SmoothQuant (w8), RTN/AWQ
+       (w4) x block size (128 first, then smaller blocks only if no block-128 recipe meets),
+       scored for quality and timed; a tier stops at its first recipe that meets (its recipes
+       build the same kernels, so none after it is faster)
     3. if none meets the target: each MatMul's sensitivity in one local pass on the best recipe
        (its own output error on calibration rows, sensitivity.py), then the fewest most
        sensitive MatMuls kept in higher precision (doubling, then bisecting the count; every
@@ -199,17 +200,18 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], Acti
     if options.scheme == "w8a8":
         builder = StaticBuilder(paths[judge.graph], judge.graph, stats(), feeds, options.per_channel, work)
     else:
-        scaled = any(c.awq or c.alpha is not None for tier in space.recipes(options.scheme) for c in tier)
-        builder = WeightOnlyBuilder(paths[judge.graph], judge.graph, stats() if scaled else None, options.scheme,
-                                    options.symmetric)
+        builder = WeightOnlyBuilder(paths[judge.graph], judge.graph, stats, options.scheme, options.symmetric)
     log(f"search: {describe_target(target, encoder)} on {len(held_out)} held-out "
         f"{'sentences' if encoder else 'windows'} ({judge.graph} graph); fp32 {format_speed(judge.fp32_speed)}")
     search = Search(judge, builder, target, options.threads, log, progress)
     recipes: list[dict] = []
     for tier in space.recipes(options.scheme):
-        if any(r["meets"] for r in recipes):
+        for candidate in tier:  # a tier's recipes build the same kernels: the first that meets is as fast
+            recipes.append(search.attempt(candidate, "recipe"))
+            if recipes[-1]["meets"]:
+                break
+        if recipes[-1]["meets"]:
             break
-        recipes += [search.attempt(c, "recipe") for c in tier]
     sensitivity = {}
     if not any(r["meets"] for r in recipes) and space.fallback:
         best = min(recipes, key=judge.error)
