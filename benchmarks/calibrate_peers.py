@@ -403,6 +403,8 @@ def parse_args() -> argparse.Namespace:
                     help="also pass --eval-data to llmx calibrate; by default its search judges on a held-out tail "
                          "of --data, so the text the table compares on is never the text the search chose by")
     ap.add_argument("--no-speed", action="store_true", help="build and quality only")
+    ap.add_argument("--schemes", type=lambda s: tuple(s.split(",")), default=SCHEMES,
+                    help=f"llmx calibrate schemes, comma-separated (default: {','.join(SCHEMES)})")
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke test: {QUICK_WINDOWS} windows, 1 round, calibrate --samples {QUICK_SAMPLES} "
                          f"--eval-samples {QUICK_SAMPLES}")
@@ -435,7 +437,7 @@ def build_all(args) -> tuple[dict[str, Path], dict[str, dict]]:
     """Every engine's model (path) and how building it went (record), llmx's first."""
     fp32, fp32_build = llmx_fp32(args.hf, args.work, args.reuse)
     paths, builds = {"llmx-fp32": fp32}, {"llmx-fp32": fp32_build}
-    for scheme in SCHEMES:
+    for scheme in args.schemes:
         paths[f"llmx-{scheme}"], builds[f"llmx-{scheme}"] = calibrate(fp32, scheme, args)
     for kind, (path, record) in llama_ggufs(args.hf, args.work, args.reuse).items():
         paths[f"llama.cpp-{kind}"], builds[f"llama.cpp-{kind}"] = path, record

@@ -8,9 +8,9 @@
        scored for quality and timed; a tier stops at its first recipe that meets (its recipes
        build the same kernels, so none after it is faster)
     3. if none meets the target: each MatMul's sensitivity in one local pass on the best recipe
-       (its own output error on calibration rows, sensitivity.py), then the fewest most
-       sensitive MatMuls kept in higher precision (doubling, then bisecting the count; every
-       count is a full evaluation)
+       (its own output error on calibration rows, sensitivity.py), scaled by one short
+       evaluation per layer, then the fewest most sensitive MatMuls kept in higher precision
+       (the count predicted from the sensitivities, then checked by a few full evaluations)
     4. the fastest candidate meeting the target, by its measured cost per generated token;
        candidates within the timing noise of the fastest are told apart by fewest fallbacks,
        the larger block, then the lowest error
@@ -66,7 +66,7 @@ class SearchSpace:
     target: float | None = None  # None: the scheme's default
     methods: tuple[str, ...] = METHODS
     alphas: tuple[float | None, ...] = ALPHAS
-    awq: tuple[bool, ...] = (False, True)  # w4 only; w8 keeps round-to-nearest
+    awq: tuple[bool, ...] = (False, True)  # w4 only (w8 searches SmoothQuant alphas instead)
     block_sizes: tuple[int, ...] | None = None  # w8/w4, one tier each in this order; None: BLOCK_SIZES
     fallback: bool = True
 
