@@ -122,7 +122,9 @@ def measure(work: Path, name: str, cmd: list[str]) -> dict:
     with open(log, "a") as f:
         f.write(out)
     # Linux: KiB. Without GNU time, wait4's figure (which counts this process's RSS, see above).
-    kernel = int(maxrss.read_text().split()[-1]) * 1024 if launcher else usage.ru_maxrss * 1024
+    # GNU time writes nothing when the tool is killed by a signal: the sampled peak stands alone then.
+    reported = maxrss.read_text().split() if launcher else [str(usage.ru_maxrss)]
+    kernel = int(reported[-1]) * 1024 if reported else 0
     sampled = max(sampler.peaks.values(), default=0)
     print(f"   rc {child.returncode}, {wall:.1f} s, peak RSS {max(sampled, kernel) / GIB:.2f} GiB", flush=True)
     return {"cmd": shown, "rc": child.returncode, "wall_s": round(wall, 2),
