@@ -281,7 +281,9 @@ def format_row(row: dict) -> str:
 def format_speed(speed: dict) -> str:
     if "decode_tok_s" in speed:
         return f"{speed['decode_tok_s']:7.1f} tok/s, prefill {speed['prefill_ms']:.0f} ms"
-    return f"{speed['embed_ms']:.2f} ms/embedding"
+    if "embed_ms" in speed:
+        return f"{speed['embed_ms']:.2f} ms/embedding"
+    return ""  # a record written before the search timed its candidates
 
 
 def format_search(record: dict) -> str:
@@ -292,6 +294,7 @@ def format_search(record: dict) -> str:
         top = sorted(record["sensitivity"].items(), key=lambda kv: -kv[1])[:5]
         rows.append("  most sensitive MatMuls: " + ", ".join(f"{w} ({e:.3g})" for w, e in top))
     seconds = record["seconds"]
-    rows.append(f"  fp32: {format_speed(record['fp32'])}" + ("; the chosen one is SLOWER" if record["slower_than_fp32"] else ""))
+    if "fp32" in record:
+        rows.append(f"  fp32: {format_speed(record['fp32'])}" + ("; the chosen one is SLOWER" if record["slower_than_fp32"] else ""))
     rows.append(f"  search took {seconds['search']:.1f} s (fp32 reference {seconds['reference']:.1f} s)")
     return "\n".join(rows)

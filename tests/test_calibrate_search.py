@@ -418,3 +418,14 @@ def test_weight_only_statistics_watch_prefill_alone():
     assert statistics_graphs(paths, "w8") == statistics_graphs(paths, "w4") == {"prefill": Path("p.onnx")}
     assert statistics_graphs(paths, "w8a8") == paths
     assert statistics_graphs({"embed": Path("e.onnx")}, "w8") == {"embed": Path("e.onnx")}
+
+
+def test_a_search_record_from_before_the_timings_still_prints():
+    """quality.json written before candidates were timed (no speed fields, no fp32 entry) prints as it did."""
+    from llmx.calibration.search import format_search
+
+    row = {"stage": "recipe", "label": "rtn b128", "perplexity_ratio": 1.001, "top1_agreement": 0.99, "mean_kl": 0.001,
+           "graph_bytes": 2**20, "seconds": 1.0, "meets": True}
+    text = format_search({"measure": "perplexity ratio <= 1.005", "graph": "decode", "held_out": 2, "candidates": [row],
+                          "chosen": 0, "sensitivity": {}, "seconds": {"search": 1.0, "reference": 0.5}})
+    assert "rtn b128" in text and "<- chosen" in text and "tok/s" not in text and "fp32:" not in text
