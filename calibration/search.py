@@ -253,6 +253,12 @@ def pick(rows: list[dict], error: Callable[[dict], float]) -> dict:
     meeting = [r for r in rows if r["meets"]]
     if not meeting:
         return min(rows, key=error)
+    # More fallbacks of one recipe only add cost (fp32 or 8-bit MatMuls in place of quantized
+    # ones), whatever a noisy timing says: each recipe keeps its fewest (then its fastest).
+    fewest: dict[tuple, dict] = {}
+    for r in sorted(meeting, key=lambda r: (len(r["fallback"]), r["cost_ms"])):
+        fewest.setdefault(tuple(r.get(k) for k in ("method", "smoothquant", "awq", "block_size")), r)
+    meeting = list(fewest.values())
     fastest = min(r["cost_ms"] for r in meeting)
     near = [r for r in meeting if r["cost_ms"] <= fastest * SPEED_TOLERANCE]
     return min(near, key=lambda r: (len(r["fallback"]), -(r["block_size"] or 0), error(r)))

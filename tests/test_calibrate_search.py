@@ -257,6 +257,8 @@ def test_pick_takes_the_fastest_measured_row_beyond_the_timing_noise():
     near = row(128, 0, 10.0 * SPEED_TOLERANCE * 0.99)
     assert pick([slow, fast, near], error) is near
     assert pick([row(16, 0, 1.0, meets=False), slow], error) is slow  # a fast miss never wins
+    few, more = row(128, 1, 12.0), row(128, 4, 9.0)  # one recipe: its extra fallbacks only add cost, timed or not
+    assert pick([few, more], error) is few
 
 
 def test_a_pick_slower_than_fp32_is_said_loudly(store, calib_text, tmp_path, capsys, monkeypatch):
