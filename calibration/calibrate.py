@@ -23,7 +23,7 @@ from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import load_graph
 from llmx.artifact.staging import finish, staged_artifact
 from llmx.calibration import kv_int8, pipeline
-from llmx.calibration.activations import ActivationStats, collect_stats, statistics_graphs
+from llmx.calibration.activations import ActivationStats
 from llmx.calibration.data import read_text_data, split_windows, token_windows
 from llmx.calibration.encoder import load_sentences, measure_embeddings
 from llmx.calibration.judge import meets
@@ -89,9 +89,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
 
     def stats() -> ActivationStats:  # w8a8 needs them at once; w8/w4 once a recipe rescales channels or falls back
         if "stats" not in collected:
-            graphs = statistics_graphs(paths, options.scheme)
-            with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:
-                collected["stats"] = collect_stats(graphs, feeds, bar.update, options.threads)
+            collected["stats"] = pipeline.statistics(paths, feeds, options, progress)
         return collected["stats"]
 
     space = options.search

@@ -1,9 +1,9 @@
 """The configurations the search tries, and how each becomes a quantized graph to score.
 
 A ``Candidate`` is one recipe: the activation-range method and SmoothQuant alpha (w8a8) or
-the block size and the channel scaling, SmoothQuant alpha or AWQ (w8/w4), plus the MatMuls (by weight name) kept in higher
-precision: fp32 under w8a8 and w8, 8-bit weights under w4. Builders turn
-a candidate into the searched graph only (decode, or an encoder's embed), reusing the
+the block size and the channel scaling, SmoothQuant alpha or AWQ (w8/w4), plus the MatMuls
+(by weight name) kept in higher precision: fp32 under w8a8 and w8, 8-bit weights under w4.
+Builders turn a candidate into the searched graph only (decode, or an encoder's embed), reusing the
 activation statistics and caching each smoothed graph and range set, so trying a candidate
 costs one quantization and one scoring pass, never another fp32 calibration run for minmax
 ranges.
@@ -62,9 +62,10 @@ class StaticBuilder:
         self.work, self.built = work, 0
         self._smoothed: dict[float | None, tuple[Path, dict | None]] = {}
         self._ranges: dict[tuple[str, float | None], object] = {}
+        self._weights = [mm.weight for mm in weight_matmuls(load_graph(fp32))]
 
     def weights(self) -> list[str]:
-        return [mm.weight for mm in weight_matmuls(load_graph(self.fp32))]
+        return list(self._weights)
 
     def smoothed(self, alpha: float | None) -> tuple[Path, dict | None]:
         if alpha not in self._smoothed:
@@ -117,25 +118,24 @@ class StaticBuilder:
 
     def only(self, candidate: Candidate, weights: list[str]) -> Path:
         """The graph with only ``weights``' MatMuls quantized as ``candidate`` (the rest fp32)."""
-        path, _ = self.smoothed(candidate.alpha)
-        self.built += 1
-        out = self.work / f"qdq-{self.built}" / f"{self.graph}.onnx"
-        out.parent.mkdir(parents=True)
-        quantize_qdq(path, out, self.ranges(candidate.method, candidate.alpha), candidate.method, self.per_channel,
-                     skip=set(self.weights()) - set(weights))
-        return out
+        return self._qdq(candidate, skip=set(self._weights) - set(weights))
 
     def build(self, candidate: Candidate) -> tuple[Path, int]:
         """(the quantized graph's path, its tensor bytes)."""
         import onnx
 
+        out = self._qdq(candidate, skip=set(candidate.fallback))
+        return out, graph_bytes(onnx.load_model(str(out), load_external_data=False))
+
+    def _qdq(self, candidate: Candidate, skip: set[str]) -> Path:
+        """A new Q/DQ graph under ``work`` for ``candidate``; MatMuls of ``skip`` stay fp32."""
         path, _ = self.smoothed(candidate.alpha)
         self.built += 1
         out = self.work / f"qdq-{self.built}" / f"{self.graph}.onnx"
         out.parent.mkdir(parents=True)
         quantize_qdq(path, out, self.ranges(candidate.method, candidate.alpha), candidate.method, self.per_channel,
-                     skip=set(candidate.fallback))
-        return out, graph_bytes(onnx.load_model(str(out), load_external_data=False))
+                     skip=skip)
+        return out
 
 
 class WeightOnlyBuilder:
@@ -183,29 +183,26 @@ class WeightOnlyBuilder:
         ``candidate``, computed by the MatMulNBits kernel itself (sensitivity.py)."""
         source, scales = self._scaled(candidate)
         reference, source, keys = initializers(self.fp32), initializers(source), group_keys(self.fp32)
-
-        def quantize(model):
-            return quantize_weights(model, self.scheme, candidate.block_size, self.symmetric)
-
         found = {}
         for weight in self.weights():
             s = scales.get(keys[weight])
             x = rows[weight]
             exact = x @ read_array(reference[weight], Path("."))
-            probe = quantize(probe_model(read_array(source[weight], Path("."))))
+            probe = self._quantize(probe_model(read_array(source[weight], Path("."))), candidate)
             found[weight] = relative_error(exact, quantized_product(x if s is None else x / s, probe, threads))
             progress(1)
         return found
 
     def only(self, candidate: Candidate, weights: list[str]):
         """The model with only ``weights``' MatMuls quantized as ``candidate`` (the rest fp32)."""
-        return quantize_weights(_copy(self.source(candidate)), self.scheme, candidate.block_size, self.symmetric,
-                                skip=set(self.weights()) - set(weights))
+        return self._quantize(_copy(self.source(candidate)), candidate, skip=set(self.weights()) - set(weights))
 
     def build(self, candidate: Candidate) -> tuple[object, int]:
-        model = quantize_weights(_copy(self.source(candidate)), self.scheme, candidate.block_size, self.symmetric,
-                                 fallback=set(candidate.fallback))
+        model = self._quantize(_copy(self.source(candidate)), candidate, fallback=set(candidate.fallback))
         return model, graph_bytes(model)
+
+    def _quantize(self, model, candidate: Candidate, **which):
+        return quantize_weights(model, self.scheme, candidate.block_size, self.symmetric, **which)
 
 
 def _copy(model):

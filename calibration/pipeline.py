@@ -40,11 +40,10 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
         return {name: load_graph(source.graph_path(name)) for name in source.manifest.graphs}, source.root, {}
     paths = prepare_fp32(source, work / "fp32")
     feeds = make_feeds(source, windows, options.threads)
-    needs_stats = options.smoothquant is not None or options.awq or options.method == "minmax"
-    if stats is None and needs_stats and (options.scheme == "w8a8" or options.awq or options.smoothquant is not None):
-        graphs = statistics_graphs(paths, options.scheme)
-        with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:
-            stats = collect_stats(graphs, feeds, bar.update, options.threads)
+    minmax = options.scheme == "w8a8" and options.method == "minmax"
+    needs_stats = options.smoothquant is not None or options.awq or minmax
+    if stats is None and needs_stats:
+        stats = statistics(paths, feeds, options, progress)
     record: dict = {"fallback": list(options.fallback)} if options.fallback else {}
     scales = None
     if options.smoothquant is not None:
@@ -56,6 +55,13 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
             paths, record["awq"] = awq_graphs(paths, stats, options, work / "awq")
         return weight_only_graphs(paths, options), None, record
     return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
+
+
+def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress) -> ActivationStats:
+    """One fp32 pass over the calibration feeds of the graphs the scheme needs (statistics_graphs)."""
+    graphs = statistics_graphs(paths, options.scheme)
+    with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:
+        return collect_stats(graphs, feeds, bar.update, options.threads)
 
 
 def prepare_fp32(source: Artifact, out: Path) -> dict[str, Path]:

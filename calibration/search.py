@@ -169,11 +169,11 @@ class Search:
         for _ in range(MAX_FALLBACK_EVALUATIONS):
             fits = np.nonzero(factor * left <= budget)[0]
             predicted = int(fits[0]) if len(fits) else len(order)
-            # until a count meets, grow by half at least: a prediction that keeps falling short
-            # (the error not proportional to the local one) still brackets the count in a few steps
             if high <= len(order):  # bracketed: the prediction, but never above the midpoint
                 n = min(max(predicted, low + 1), max((low + high) // 2, low + 1))
             else:
+                # until a count meets, grow by half at least: a prediction that keeps falling short
+                # (the error not proportional to the local one) still brackets the count in a few steps
                 n = min(max(predicted, low + max(1, (low + 1) // 2)), high - 1)
             if n <= low:
                 return
@@ -255,9 +255,9 @@ def pick(rows: list[dict], error: Callable[[dict], float]) -> dict:
         return min(rows, key=error)
     # More fallbacks of one recipe only add cost (fp32 or 8-bit MatMuls in place of quantized
     # ones), whatever a noisy timing says: each recipe keeps its fewest (then its fastest).
-    fewest: dict[tuple, dict] = {}
+    fewest: dict[Candidate, dict] = {}
     for r in sorted(meeting, key=lambda r: (len(r["fallback"]), r["cost_ms"])):
-        fewest.setdefault(tuple(r.get(k) for k in ("method", "smoothquant", "awq", "block_size")), r)
+        fewest.setdefault(replace(candidate_of(r), fallback=()), r)
     meeting = list(fewest.values())
     fastest = min(r["cost_ms"] for r in meeting)
     near = [r for r in meeting if r["cost_ms"] <= fastest * SPEED_TOLERANCE]
@@ -301,6 +301,7 @@ def format_search(record: dict) -> str:
         rows.append("  most sensitive MatMuls: " + ", ".join(f"{w} ({e:.3g})" for w, e in top))
     seconds = record["seconds"]
     if "fp32" in record:
-        rows.append(f"  fp32: {format_speed(record['fp32'])}" + ("; the chosen one is SLOWER" if record["slower_than_fp32"] else ""))
+        slower = "; the chosen one is SLOWER" if record["slower_than_fp32"] else ""
+        rows.append(f"  fp32: {format_speed(record['fp32'])}{slower}")
     rows.append(f"  search took {seconds['search']:.1f} s (fp32 reference {seconds['reference']:.1f} s)")
     return "\n".join(rows)

@@ -233,7 +233,8 @@ def test_pick_prefers_fewer_fallbacks_then_the_larger_block():
     from llmx.calibration.search import pick
 
     def row(block: int, fallback: int, kl: float, meets: bool = True, cost: float = 10.0) -> dict:
-        return {"block_size": block, "fallback": ["w"] * fallback, "mean_kl": kl, "meets": meets, "cost_ms": cost}
+        return {"method": None, "smoothquant": None, "awq": False, "block_size": block, "fallback": ["w"] * fallback,
+                "mean_kl": kl, "meets": meets, "cost_ms": cost}
 
     error = lambda r: r["mean_kl"]  # noqa: E731
     rows = [row(128, 0, 0.02, meets=False), row(32, 0, 0.01), row(128, 1, 0.001), row(128, 0, 0.009, meets=False)]
@@ -249,7 +250,8 @@ def test_pick_takes_the_fastest_measured_row_beyond_the_timing_noise():
     from llmx.calibration.search import SPEED_TOLERANCE, pick
 
     def row(block: int, fallback: int, cost: float, meets: bool = True) -> dict:
-        return {"block_size": block, "fallback": ["w"] * fallback, "mean_kl": 0.01, "meets": meets, "cost_ms": cost}
+        return {"method": None, "smoothquant": None, "awq": False, "block_size": block, "fallback": ["w"] * fallback,
+                "mean_kl": 0.01, "meets": meets, "cost_ms": cost}
 
     error = lambda r: r["mean_kl"]  # noqa: E731
     slow, fast = row(128, 0, 20.0), row(32, 3, 10.0)
