@@ -27,8 +27,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from llmx.errors import InputError, require
+from llmx.runtime.json_numbers import NumberBound, NumberState, narrow
 
 KINDS = ("json_object", "json_schema", "regex", "lark", "llguidance")
+JSON_KINDS = ("json_object", "json_schema")  # their numbers are bounded (runtime/json_numbers.py)
 # Compact JSON (no free whitespace between tokens): a small model given the freedom pads
 # objects with newlines until max_tokens runs out. A schema's own "x-guidance" overrides it.
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -152,13 +154,14 @@ class CompiledConstraint:
         if error:
             raise ConstraintError(f"invalid {_name(spec.kind)}: {_first_line(messages[0])}")
         self._prototype = llg.LLMatcher(llg_tokenizer, grammar, log_level=0)
-        first = Matcher(self._prototype.deep_copy(), vocab_size)
+        self._numbers = NumberBound.for_llg(llg_tokenizer, vocab_size) if spec.kind in JSON_KINDS else None
+        first = self.matcher()
         if first.mask().sum() == 0 or first.error:  # computing the first mask finds dead grammars
             raise ConstraintError(f"the {_name(spec.kind)} cannot match any text" + (f": {first.error}" if first.error and
                                   not first.error.startswith("NoExtensionBias") else ""))
 
     def matcher(self) -> "Matcher":
-        return Matcher(self._prototype.deep_copy(), self.vocab_size)
+        return Matcher(self._prototype.deep_copy(), self.vocab_size, self._numbers.state() if self._numbers else None)
 
 
 def _name(kind: str) -> str:
@@ -182,8 +185,8 @@ def _compile_cached(spec: ConstraintSpec, llg_tokenizer, width: int) -> Compiled
 class Matcher:
     """One sequence's position in its grammar: the allowed next tokens, ``advance``, ``finished``."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self._m, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, numbers: NumberState | None = None):
+        self._m, self.vocab_size, self._numbers = matcher, vocab_size, numbers
         self._words = np.empty((1, (vocab_size + 31) // 32), dtype=np.int32)
         self._fresh = False  # _words holds the mask for the current state
 
@@ -218,15 +221,23 @@ class Matcher:
     def _compute(self) -> None:
         if not self._fresh:
             self._m.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+            self._narrow()
             self._fresh = True
+
+    def _narrow(self) -> None:
+        if self._numbers is not None:
+            narrow(self._words[0], self._numbers.banned())
 
     def advance(self, token: int) -> bool:
         """Consume the chosen token; False when the grammar refused it (the matcher is then finished)."""
         self._fresh = False
+        if self._numbers is not None:
+            self._numbers.advance(int(token))
         return self._m.consume_token(int(token))
 
     def _set_words(self, words: np.ndarray) -> None:
         self._words[0] = words
+        self._narrow()
         self._fresh = True
 
 

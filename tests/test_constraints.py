@@ -5,6 +5,7 @@ front with one line, rows without a constraint decode exactly as before, and log
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 from llmx.errors import InputError, MissingDependencyError
 from llmx.runtime.constraints import ConstraintError, ConstraintSpec, compile_constraint
 from llmx.runtime.generate import generate
+from llmx.runtime.json_numbers import EXPONENT_DIGITS, FRACTION_DIGITS, INT_DIGITS
 from llmx.runtime.params import ParamError, logit_bias
 from llmx.runtime.sampling import SamplingParams
 
@@ -106,6 +108,40 @@ def test_lark_grammar_with_embedded_json(engine):
     seq = run(engine, ["x = "], SamplingParams(max_new_tokens=40, temperature=0, constraint=compiled(engine, ConstraintSpec.lark(grammar))))[0]
     body = re.fullmatch(r"<tool_call>(.*)</tool_call>", seq.text)
     assert body and isinstance(json.loads(body.group(1))["x"], int)
+
+
+def _digit_tokens(engine):
+    """Tokens of digits that do not start with 0 (JSON ends a number's integer part at a leading 0)."""
+    return {t: 100.0 for t in range(engine.tokenizer.vocab_size)
+            if (text := engine.tokenizer.decode([t])).isdigit() and not text.startswith("0")}
+
+
+@pytest.mark.parametrize("kind", ["integer", "number"])
+def test_json_numbers_close_even_when_digits_are_forced(engine, kind):
+    # Every digit token boosted by +100: without the bound the model writes digits until max_tokens.
+    schema = {"type": "object", "properties": {"n": {"type": kind}}, "required": ["n"]}
+    params = SamplingParams(max_new_tokens=120, temperature=0, logit_bias=_digit_tokens(engine),
+                            constraint=compiled(engine, ConstraintSpec.json_schema(schema)))
+    seq = run(engine, ["x = "], params)[0]
+    assert seq.finish_reason == "stop", seq.text
+    text = re.fullmatch(r'\{"n":(.*)\}', seq.text).group(1)
+    integer, fraction, exponent = re.fullmatch(r"-?([0-9]+)(?:\.([0-9]+))?(?:[eE][+-]?([0-9]+))?", text).groups()
+    assert len(integer) == INT_DIGITS  # digits run to the bound, then the number closes
+    assert len(fraction or "") <= FRACTION_DIGITS and len(exponent or "") <= EXPONENT_DIGITS
+    value = json.loads(seq.text)["n"]
+    assert math.isfinite(value) and (kind == "number" or -2**63 <= value < 2**63)
+
+
+def test_json_number_bound_spares_strings_and_schemas_that_need_more_digits(engine):
+    digits = _digit_tokens(engine)
+    one = next(t for t in digits if engine.tokenizer.decode([t]) == "1")
+    m = compiled(engine, ConstraintSpec.json_object()).matcher()
+    for token in engine.tokenizer.encode('{"a":"', add_special_tokens=False) + [one] * 30:
+        assert m.mask()[token] and m.advance(token)  # digits in a string are text, never bounded
+    big = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**18, "maximum": 2 * 10**18}}, "required": ["n"]}
+    seq = run(engine, ["x = "], SamplingParams(max_new_tokens=60, temperature=0, logit_bias=digits,
+                                             constraint=compiled(engine, ConstraintSpec.json_schema(big))))[0]
+    assert json.loads(seq.text)["n"] >= 10**18  # the schema's own 19 digits win over the bound
 
 
 def test_rows_without_a_constraint_decode_exactly_as_before(engine):
