@@ -30,7 +30,7 @@ from llmx.errors import InputError, require
 from llmx.runtime.json_numbers import NumberBound, NumberState, narrow
 
 KINDS = ("json_object", "json_schema", "regex", "lark", "llguidance")
-JSON_KINDS = ("json_object", "json_schema")  # their numbers are bounded (runtime/json_numbers.py)
+JSON_KINDS = ("json_object", "json_schema")
 # Compact JSON (no free whitespace between tokens): a small model given the freedom pads
 # objects with newlines until max_tokens runs out. A schema's own "x-guidance" overrides it.
 JSON_DEFAULTS = {"whitespace_flexible": False}
@@ -50,10 +50,13 @@ def _llg():
 class ConstraintSpec:
     """What the output must match. ``text`` is the JSON schema (a JSON string), the regex, the
     Lark grammar (llguidance's dialect: ``%json{...}`` embeds a schema), or a whole llguidance
-    grammar (JSON ``{"grammars": [...]}``); empty for json_object."""
+    grammar (JSON ``{"grammars": [...]}``); empty for json_object. ``bound_numbers``: JSON numbers
+    in the output close (runtime/json_numbers.py); always on for the JSON kinds, asked for by
+    grammars whose output is mostly JSON (tool calls)."""
 
     kind: str
     text: str = ""
+    bound_numbers: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -66,6 +69,8 @@ class ConstraintSpec:
             raise ConstraintError(f"the {self.kind} is not valid Unicode text (a lone surrogate at character {exc.start})") from None
         if len(self.text) > MAX_GRAMMAR_CHARS:
             raise ConstraintError(f"the {self.kind} is {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS} are accepted")
+        if self.kind in JSON_KINDS:
+            object.__setattr__(self, "bound_numbers", True)
 
     @classmethod
     def json_object(cls) -> "ConstraintSpec":
@@ -87,8 +92,8 @@ class ConstraintSpec:
         return cls("regex", pattern)
 
     @classmethod
-    def lark(cls, grammar: str) -> "ConstraintSpec":
-        return cls("lark", grammar)
+    def lark(cls, grammar: str, bound_numbers: bool = False) -> "ConstraintSpec":
+        return cls("lark", grammar, bound_numbers)
 
     @classmethod
     def llguidance(cls, grammar: str | dict) -> "ConstraintSpec":
@@ -154,7 +159,7 @@ class CompiledConstraint:
         if error:
             raise ConstraintError(f"invalid {_name(spec.kind)}: {_first_line(messages[0])}")
         self._prototype = llg.LLMatcher(llg_tokenizer, grammar, log_level=0)
-        self._numbers = NumberBound.for_llg(llg_tokenizer, vocab_size) if spec.kind in JSON_KINDS else None
+        self._numbers = NumberBound.for_llg(llg_tokenizer, vocab_size) if spec.bound_numbers else None
         first = self.matcher()
         if first.mask().sum() == 0 or first.error:  # computing the first mask finds dead grammars
             raise ConstraintError(f"the {_name(spec.kind)} cannot match any text" + (f": {first.error}" if first.error and

@@ -147,7 +147,8 @@ def with_tools(params: list[SamplingParams], tools: ToolRequest, engine) -> list
 def tool_constraint(tools: ToolRequest, engine) -> CompiledConstraint:
     grammar = tools.grammar(engine.tokenizer.added_tokens())
     try:
-        return compile_constraint(ConstraintSpec.lark(grammar), engine.tokenizer, engine.manifest.model.vocab_size)
+        # Bounded numbers: a runaway number in an argument would leave a call max_tokens cuts off.
+        return compile_constraint(ConstraintSpec.lark(grammar, bound_numbers=True), engine.tokenizer, engine.manifest.model.vocab_size)
     except InputError as exc:  # a ConstraintError
         raise bad_request(f"the tools cannot be enforced: {exc}", param="tools", code="invalid_tool_schema") from None
 

@@ -311,3 +311,20 @@ def test_demo_model_calls_tools_through_its_own_template(demo_artifact):
         final = client.chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
         assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
         assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_a_runaway_number_argument_still_closes_the_call(generic_server, hf_tokenizer):
+    """Every digit boosted: the argument's number closes at its bound (runtime/json_numbers.py)
+    instead of running until max_tokens cuts the call off."""
+    from llmx.runtime.json_numbers import INT_DIGITS
+
+    forecast = [{"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"], "additionalProperties": False}}}]
+    digits = {str(t): 100 for t in range(len(hf_tokenizer))
+              if (text := hf_tokenizer.decode([t])).isdigit() and not text.startswith("0")}
+    client = generic_server.client(max_retries=0, timeout=60)
+    choice = client.chat.completions.create(model="m", messages=QUESTION, tools=forecast, max_tokens=100, temperature=0,
+                                            logit_bias=digits, tool_choice={"type": "function", "function": {"name": "forecast"}}).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    days = json.loads(choice.message.tool_calls[0].function.arguments)["days"]
+    assert len(str(abs(days))) == INT_DIGITS
