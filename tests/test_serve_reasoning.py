@@ -46,25 +46,44 @@ def test_whole_replies_split_into_reasoning_and_content(text, inside, expected):
     assert split_reasoning(Reasoning(THINK, inside), text) == expected
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "\n", "\n\n", "a", "b c", " "]), max_size=12),
-       st.lists(st.integers(1, 7), min_size=1, max_size=20), st.booleans())
-def test_a_stream_splits_like_the_whole_reply_at_any_chunking(pieces, cuts, inside):
-    text = "".join(pieces)
-    parser, reasoning, content, at = ReasoningParser(Reasoning(THINK, inside)), "", "", 0
+@pytest.mark.parametrize("fmt, text, expected", [
+    ("granite", "<think>Weigh it.</think>\n<response>\nIt is 4.\n</response>", ("Weigh it.", "It is 4.")),
+    ("granite", "<think>Weigh it.</think><response>It is 4.", ("Weigh it.", "It is 4.")),  # cut by max_tokens
+    ("granite", "No thinking asked: a plain answer.", ("", "No thinking asked: a plain answer.")),
+    ("granite", "<think>a</think>b </response> c", ("a", "b </response> c")),  # only a wrapper that opens is one
+    ("granite_text", "Here is my thought process:\nAdd.\nHere is my response:\n4", ("Add.", "4")),
+    ("granite_text", "Here's my thought process: Add. Here's my response: 4", ("Add.", "4")),
+    ("brackets", "[THINK]a[/THINK]b", ("a", "b")),
+])
+def test_each_format_splits_its_own_markers(fmt, text, expected):
+    assert split_reasoning(Reasoning(FORMATS[fmt], False), text) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<th", "ink>", "</", "\n", "\n\n", "a", "b c", " ",
+                                 "<response>", "</response>", "<resp", "onse>", "Here is my ", "Here's my ",
+                                 "thought process:", "response:"]), max_size=12),
+       st.lists(st.integers(1, 7), min_size=1, max_size=20), st.booleans(), st.sampled_from(["think", "granite", "granite_text"]))
+def test_a_stream_splits_like_the_whole_reply_at_any_chunking(pieces, cuts, inside, name):
+    text, fmt = "".join(pieces), FORMATS[name]
+    parser, reasoning, content, at = ReasoningParser(Reasoning(fmt, inside)), "", "", 0
     for k in cuts * (len(text) // max(1, sum(cuts)) + 1):
         r, c = parser.feed(text[at:at + k])
         reasoning, content, at = reasoning + r, content + c, at + k
         if at >= len(text):
             break
     r, c = parser.finish()
-    assert (reasoning + r, content + c) == split_reasoning(Reasoning(THINK, inside), text)
+    assert (reasoning + r, content + c) == split_reasoning(Reasoning(fmt, inside), text)
 
 
 def test_formats_are_read_from_the_template_and_the_prompt():
     assert detect_format(THINKING_TEMPLATE) is THINK
     assert detect_format("{{ messages }}") is None and detect_format(None) is None
     assert detect_format("... [THINK]{{ thought }}[/THINK] ...") is FORMATS["brackets"]
+    granite_33 = ("{%- if thinking %}Write your thoughts between <think></think> and write your response between "
+                  "<response></response> for each user query.{%- endif %}")
+    granite_32 = "Write your thoughts after 'Here is my thought process:' and write your response after 'Here is my response:'"
+    assert detect_format(granite_33) is FORMATS["granite"] and detect_format(granite_32) is FORMATS["granite_text"]
     assert Reasoning.for_prompt(THINK, "<|im_start|>assistant\n") == Reasoning(THINK, False)
     assert Reasoning.for_prompt(THINK, "<|im_start|>assistant\n<think>\n") == Reasoning(THINK, True)  # DeepSeek-R1
     assert Reasoning.for_prompt(THINK, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # thinking off
