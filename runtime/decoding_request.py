@@ -8,10 +8,10 @@ A request names at most one constraint (a JSON schema, regex or grammar) and may
 ``logit_bias``, ask for beam search, or (on the command line) for speculative decoding. Beam
 search is deterministic and scores with the model's own log-probabilities, so it takes no
 constraint, no bias and no sampling filter (runtime/params.py's table), and is never
-speculative; a speculative draft is verified against the unconstrained distribution, so it takes
-no constraint, and a request that asks for speculation takes no bias either. (A server's own
-``--speculative`` is not the request's: its beam searches run unspeculated beside the batch, and
-the service refuses constraints while it speculates.) The rules and their order live here; each
+speculative when asked to be (``--speculative auto``, the default, simply does not draft for
+it). Speculative drafts are verified against the row's own masked, biased distribution, so they
+combine with constraints and bias (runtime/speculative.py). (A server's own ``--speculative``
+is not the request's: its beam searches run unspeculated beside the batch.) The rules and their order live here; each
 front end words a refusal in the names its user typed (flags, or JSON fields) through a
 ``Wording``, so the CLI's ``error:`` line and the server's 400 keep saying what to change.
 """
@@ -43,7 +43,7 @@ class DecodingRequest:
     constraints: list[str] = field(default_factory=list)  # the constraints given, by the names the user gave them
     logit_bias: bool = False  # a non-empty bias was given
     beams: bool = False
-    speculative: bool = False  # this request asks for it
+    speculative: bool = False  # this request asks for it by name (ngram or draft; auto asks nothing)
     beam_options: list[str] = field(default_factory=list)  # BEAM_OPTIONS that were set
     sampling: dict[str, Any] = field(default_factory=dict)  # the sampling fields, for beam search's table
 
@@ -51,11 +51,10 @@ class DecodingRequest:
         """Raise (through ``words``, or ParamError from beam search's table) on the first rule broken."""
         if len(self.constraints) > 1:
             words.several_constraints(self.constraints)
-        modes = [mode for mode, on in (("beams", self.beams), ("speculative", self.speculative)) if on]
         biased = ["logit_bias"] if self.logit_bias else []
         for feature in self.constraints[:1] + biased:
-            if modes:
-                words.not_combined(feature, modes[0])
+            if self.beams:
+                words.not_combined(feature, "beams")
         if not self.beams:
             for name in self.beam_options:
                 words.beam_option_alone(name)

@@ -9,11 +9,19 @@ after verification drops rejected tokens).
   ``ngram``): find the most recent earlier occurrence of the context's last n tokens (n from
   ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it. No second model;
   it shines where output copies its input (code editing, quoting, templated text).
+- ``AutoDrafter`` (the default of ``llmx generate`` and ``llmx serve``): prompt lookup that drafts
+  only where it pays. It drafts for a batch of one row (a call of several tokens on several rows
+  costs about as much as that many steps: benchmarks/prompt_lookup.py), sizes each draft to the
+  row's measured acceptance against this machine's measured cost of a wider call, and stops while
+  acceptance is too low to pay, coming back as its estimate drifts back. It never refuses a request.
 - ``DraftModelDrafter``: a smaller artifact with the same tokenizer runs ``k`` cheap decode
   steps; for sampled sequences it also returns its distributions q, which the rejection rule needs.
 """
 
 from __future__ import annotations
+
+import logging
+import weakref
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -26,12 +34,28 @@ from llmx.runtime.sequence import Sequence
 from llmx.runtime.speculative import Draft, SpecStats, check_num_draft_tokens, draw, ragged_decode
 
 
+log = logging.getLogger(__name__)
+_WIDTH_INVARIANT: "weakref.WeakKeyDictionary[object, bool]" = weakref.WeakKeyDictionary()
+
+
 def context_ids(seq: Sequence) -> list[int]:
     """Prompt and output so far; the last output token is sampled but not yet in the KV cache."""
     return seq.prompt_ids + seq.output_ids
 
 
-class NgramDrafter:
+class FixedDrafter:
+    """What a batch asks of every drafter; these draft whenever they can and learn nothing."""
+
+    optional = False  # an explicit choice: refusals (LongRoPE crossings) are the user's to see
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        """A step of ``rows`` rows fed ``width`` tokens each took ``seconds``."""
+
+    def verified(self, seq: Sequence, drafted: int, kept: int) -> None:
+        """``seq``'s draft of ``drafted`` tokens kept ``kept``."""
+
+
+class NgramDrafter(FixedDrafter):
     name = "ngram"
 
     def __init__(self, num_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1):
@@ -71,6 +95,111 @@ class NgramDrafter:
         pass
 
 
+class AutoDrafter(NgramDrafter):
+    """Prompt lookup sized by expected gain: with a row's acceptance estimate ``a`` (each drafted
+    token kept with probability a, independently), a draft of k tokens emits on average
+    (1 - a^(k+1)) / (1 - a) tokens in a call that costs cost(1 + k) / cost(1) plain steps; the k
+    with the best ratio wins, and none is drafted unless that ratio beats a plain step by
+    ``MARGIN``. Costs are measured step times of a one-row batch (past the widest measured width,
+    ``PRIOR_SLOPE`` per token, and at most ``REACH`` tokens further); ``a`` follows the row's
+    outcomes and, while it does not draft, drifts back to ``PRIOR`` so a row that starts copying
+    again is tried again."""
+
+    name = "auto"
+    optional = True
+    PRIOR, LEARN, DRIFT, MARGIN = 0.6, 0.3, 0.02, 1.05
+    # Past the widest measured width a call costs 0.25 plain steps per extra token (135M on this
+    # CPU: fp32 0.12-0.29, w4 0.34-0.47), and a draft may reach at most REACH tokens past it, so
+    # wide calls are tried only after narrower ones paid off, and measured before they are trusted.
+    PRIOR_SLOPE, REACH = 0.25, 2
+    MAX_ROWS = 1
+
+    def __init__(self, num_tokens: int = 8, backend=None):
+        super().__init__(num_tokens, max_ngram=3, min_ngram=2)  # a 1-token match is mostly chance in prose
+        self.seconds: dict[int, float] = {}  # one-row step time per width, a moving average
+        self.acceptance: dict[int, float] = {}  # per sequence id
+        self._backend = backend
+        self.identical: bool | None = None if backend is not None else True  # probed on first use
+
+    def width_invariant(self) -> bool:
+        """Whether a call of several tokens gives the first token the logits a one-token call
+        gives (within 1e-4 of their range). Quantized kernels may not: ONNX Runtime's
+        MatMulNBits rounds a several-row product differently (1 % of the logit range measured on
+        a 135M w4 graph), so a near tie could go the other way and output would differ from
+        plain decoding. The default must not change output, so there it does not draft."""
+        if self.identical is None:
+            known = _WIDTH_INVARIANT.get(self._backend)
+            room = self._backend.max_seq_len - 2
+            # Two shapes: kernels pick their paths by shape. Once per backend (a server's lifetime).
+            self.identical = known if known is not None else all(self._same_logits(min(n, room)) for n in (4, 24))
+            _WIDTH_INVARIANT[self._backend] = self.identical
+            if not self.identical and known is None:
+                log.info("speculative auto: this artifact's kernels round a several-token call differently from a "
+                         "one-token one, so auto does not draft (output stays that of plain decoding); "
+                         "--speculative ngram drafts anyway")
+        return self.identical
+
+    def observe(self, rows: int, width: int, seconds: float) -> None:
+        if rows == 1:
+            old = self.seconds.get(width)
+            self.seconds[width] = seconds if old is None else old + self.LEARN * (seconds - old)
+
+    def verified(self, seq: Sequence, drafted: int, kept: int) -> None:
+        a = self.acceptance.get(seq.id, self.PRIOR)
+        for outcome in [1.0] * kept + ([0.0] if kept < drafted else []):
+            a += self.LEARN * (outcome - a)
+        self.acceptance[seq.id] = a
+
+    def cost(self, width: int) -> float:
+        """A one-row call of ``width`` tokens, in plain steps: measured, interpolated between
+        measured widths, or past the widest measured one at the optimistic prior slope."""
+        base = self.seconds.get(1)
+        if not base:
+            return 1 + self.PRIOR_SLOPE * (width - 1)
+        known = sorted(self.seconds)
+        below = max(w for w in known if w <= width)
+        above = [w for w in known if w >= width]
+        if not above:
+            return self.seconds[below] / base + self.PRIOR_SLOPE * (width - below)
+        hi = above[0]
+        if hi == below:
+            return self.seconds[hi] / base
+        t = (width - below) / (hi - below)
+        return (self.seconds[below] + t * (self.seconds[hi] - self.seconds[below])) / base
+
+    def best_length(self, a: float, limit: int) -> int:
+        limit = min(limit, max(self.seconds, default=1) - 1 + self.REACH)
+        gains = [(1 - a ** (k + 1)) / (1 - a) / self.cost(k + 1) if a < 1 else (k + 1) / self.cost(k + 1)
+                 for k in range(limit + 1)]
+        k = max(range(limit + 1), key=gains.__getitem__)
+        return k if gains[k] > self.MARGIN else 0
+
+    def _same_logits(self, context: int) -> bool:
+        backend = self._backend
+        vocab = min(getattr(backend, "vocab_size", 1000), 32000)
+        ids = [(7919 * i) % vocab for i in range(1, context + 3)]  # spread over the vocabulary, fixed
+        cache = backend.new_cache(1, context + 2)
+        backend.prefill(cache, [0], [ids[:context]])
+        one = backend.decode(cache, np.array([ids[context:context + 1]], dtype=np.int64))[0, 0].copy()
+        cache.lengths[0] = context
+        two = backend.decode(cache, np.array([ids[context:context + 2]], dtype=np.int64))[0, 0]
+        return bool(np.abs(one - two).max() <= 1e-4 * max(1.0, float(one.max() - one.min())))
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
+        if len(seqs) > self.MAX_ROWS or not self.width_invariant():
+            return [Draft([]) for _ in seqs]
+        self.acceptance = {s.id: self.acceptance.get(s.id, self.PRIOR) for s in seqs}  # forget rows that left
+        drafts = []
+        for seq, limit in zip(seqs, limits):
+            a = self.acceptance[seq.id]
+            k = self.best_length(a, limit) if limit else 0
+            tokens = self.lookup(np.asarray(context_ids(seq), dtype=np.int64), k) if k else []
+            if not tokens:
+                self.acceptance[seq.id] = a + self.DRIFT * (self.PRIOR - a)
+            drafts.append(Draft(tokens))
+        return drafts
+
+
 def check_same_tokenizer(target, draft) -> None:
     """A draft model must spell every token id the same way as the target, or its drafts are noise."""
     if target.vocab() != draft.vocab():
@@ -80,7 +209,7 @@ def check_same_tokenizer(target, draft) -> None:
         raise InputError(f"the draft model's end tokens {draft.eos_token_ids} differ from the target's {target.eos_token_ids}")
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(FixedDrafter):
     name = "draft"
 
     def __init__(self, draft_engine, target_vocab: int, num_tokens: int = 4):
@@ -140,21 +269,32 @@ class DraftModelDrafter:
 
 
 
-def check_speculative(method: str, draft: str | None, num_tokens: int) -> None:
-    check_num_draft_tokens(num_tokens)
-    if method not in ("ngram", "draft"):
-        raise InputError(f"speculative method must be ngram or draft, got {method!r}")
-    if method == "ngram" and draft is not None:
-        raise InputError("--draft is for --speculative draft; prompt lookup (ngram) needs no draft model")
+METHODS = ("auto", "ngram", "draft", "off")
+DEFAULT_DRAFT_TOKENS = {"auto": 8, "ngram": 4, "draft": 4}  # auto's is a cap: its drafts are sized as they go
+
+
+def check_speculative(method: str, draft: str | None, num_tokens: int | None) -> None:
+    if method not in METHODS:
+        raise InputError(f"speculative method must be one of {', '.join(METHODS)}, got {method!r}")
+    if num_tokens is not None:
+        check_num_draft_tokens(num_tokens)
+    if method != "draft" and draft is not None:
+        raise InputError(f"--draft is for --speculative draft; {method} needs no draft model")
     if method == "draft":
         if draft is None:
             raise InputError("--speculative draft needs --draft ARTIFACT (a smaller model with the same tokenizer)")
         Artifact.of(draft)  # a wrong path fails now, with the artifact error
 
 
-def make_drafter(method: str, target, num_tokens: int = 4, draft: str | None = None, **load_options):
-    """The drafter ``llmx generate --speculative`` and ``llmx serve --speculative`` ask for."""
+def make_drafter(method: str, target, num_tokens: int | None = None, draft: str | None = None, **load_options):
+    """The drafter ``llmx generate --speculative`` and ``llmx serve --speculative`` ask for
+    (None for off)."""
     check_speculative(method, draft, num_tokens)
+    if method == "off":
+        return None
+    num_tokens = num_tokens or DEFAULT_DRAFT_TOKENS[method]
+    if method == "auto":
+        return AutoDrafter(num_tokens, target.backend)
     if method == "ngram":
         return NgramDrafter(num_tokens)
     engine = Engine.load(draft, **load_options)

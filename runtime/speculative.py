@@ -2,26 +2,32 @@
 
     a row holds L cached tokens; x0 was sampled last step and is not cached yet
     decode([x0, d1..dk]) -> logits 0..k            (logits i predicts what follows d_i; d_0 = x0)
-    greedy:   d_(i+1) is accepted while it equals the target's own choice from logits i; the
-              first mismatch is replaced by that choice; if all k pass, logits k gives one more
-    sampling: d is accepted with probability min(1, p(d) / q(d)), else the token is drawn from
-              max(0, p - q), renormalized (Leviathan et al. 2023, Chen et al. 2023), so every
-              emitted token is distributed exactly as p, the target's own distribution after
-              penalties, temperature and filters. Prompt lookup proposes with certainty (q = 1 at d).
+    certain drafts (prompt lookup, a greedy draft model): at each position the target chooses
+              its own token from logits i exactly as plain decoding would (the same penalties,
+              bias, grammar mask and, when sampling, the same single uniform draw); the draft
+              token is accepted while it equals that choice, and the first mismatch is replaced
+              by it; if all k pass, logits k gives one more. Output is token-identical to plain
+              decoding, sampled rows included (same seed, same tokens), and a sampled row accepts
+              a draft with probability p(d), as the rejection rule would with q = 1 at d.
+    sampled drafts (a draft model sampling with distribution q): d is accepted with probability
+              min(1, p(d) / q(d)), else the token is drawn from max(0, p - q), renormalized
+              (Leviathan et al. 2023, Chen et al. 2023), so every emitted token is distributed
+              exactly as p; a seed draws differently than without speculation.
     rollback: the row's length becomes L + 1 + accepted; the rejected drafts' slots are simply
               overwritten later (attention reads only the first ``length`` slots).
 
-So one target call emits 1..k+1 tokens. Greedy output is token-identical to plain decoding
-(every emitted token is the target's own choice after the same prefix); sampled output has the
-same distribution, though a seed draws differently than without speculation (the rejection
-test consumes random numbers).
+So one target call emits 1..k+1 tokens. Constraints and logit_bias combine: p is the row's own
+masked, biased distribution, and the grammar advances one accepted token at a time.
 
 ``SpeculativeBatch`` is a ``Batch`` whose step does this for all rows in one call: drafts of
-different lengths are padded to the longest (the padding's slots are rolled back too).
+different lengths are padded to the longest (the padding's slots are rolled back too). A step
+where no row has a draft is a plain ``Batch`` step. An optional drafter (``auto``) drafts only
+where it pays and never refuses a request (runtime/drafters.py).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -83,19 +89,14 @@ def ragged_decode(backend, cache, tokens: list[list[int]]) -> list[np.ndarray]:
 
 def judge(seq: Sequence, logits: np.ndarray, drafted: int, q: np.ndarray | None) -> tuple[int, bool]:
     """The token the target emits at this position, and whether it is the drafted one."""
-    if seq.params.greedy:
-        token = seq.choose(logits)
+    if q is None or seq.params.greedy:
+        token = seq.choose(logits)  # plain decoding's own choice: identical output
         return token, token == drafted
     p = seq.probs(logits)
-    q_d = 1.0 if q is None else float(q[drafted])
-    if seq.rng.random() * q_d < p[drafted]:  # probability min(1, p(d) / q(d))
+    if seq.rng.random() * float(q[drafted]) < p[drafted]:  # probability min(1, p(d) / q(d))
         seq.record_logprob(logits, drafted)
         return drafted, True
-    if q is None:
-        residual = p.copy()
-        residual[drafted] = 0.0
-    else:
-        residual = np.maximum(p - q, 0.0)
+    residual = np.maximum(p - q, 0.0)
     token = draw(residual if residual.sum() > 0 else p, seq.rng)
     seq.record_logprob(logits, token)
     return token, False
@@ -121,13 +122,6 @@ def verify(seq: Sequence, logits: np.ndarray, draft: Draft) -> tuple[int, int, s
     return kept, token, text
 
 
-def refuse_constraint(seq: Sequence) -> None:
-    """Drafts are verified against the unconstrained distribution: grammars are not supported yet."""
-    if seq.constraint is not None:
-        raise InputError("constrained decoding (a JSON schema, regex or grammar) and speculative decoding do not combine "
-                         "yet: drop one of them")
-
-
 class SpeculativeBatch(Batch):
     """A Batch whose step drafts with ``drafter`` and verifies every row's draft in one call."""
 
@@ -138,15 +132,14 @@ class SpeculativeBatch(Batch):
         self.stats: SpecStats = drafter.stats  # the drafter's owner reads them after generation
 
     def admit(self, seqs: list[Sequence], padding: str = "right") -> list[Event]:
-        for seq in seqs:
-            refuse_constraint(seq)
-            refuse_long_rope_crossing(self.backend, len(seq.prompt_ids), seq.params.max_new_tokens, "speculative decoding")
+        if not self.drafter.optional:
+            for seq in seqs:
+                refuse_long_rope_crossing(self.backend, len(seq.prompt_ids), seq.params.max_new_tokens, "speculative decoding")
         events = super().admit(seqs, padding)
         self._start(seqs)
         return events
 
     def join(self, seq: Sequence, entries: list[np.ndarray], logits: np.ndarray) -> list[Event]:
-        refuse_constraint(seq)
         events = super().join(seq, entries, logits)
         self._start([seq])
         return events
@@ -168,7 +161,16 @@ class SpeculativeBatch(Batch):
         room = self.cache.max_capacity - int(lengths.max()) - 1  # the padded call must fit every row
         limits = [max(0, min(self.drafter.num_tokens, s.params.max_new_tokens - len(s.output_ids) - 1, room))
                   for s in self.active]
+        if self.drafter.optional and self.long_rope_at is not None:
+            limits = [0] * n  # LongRoPE's switch recomputes the batch: left to the plain step
         drafts = self.drafter.propose(self.active, limits) if any(limits) else [Draft([]) for _ in self.active]
+        started = time.perf_counter()
+        if not any(d.tokens for d in drafts):
+            events = super().step()
+            self.drafter.observe(n, 1, time.perf_counter() - started)
+            self.stats.steps += 1
+            self.stats.emitted += n
+            return events
         logits = ragged_decode(self.backend, self.cache, [[x] + d.tokens for x, d in zip(self.next_ids, drafts)])
         events = []
         for i, (seq, draft, rows) in enumerate(zip(self.active, drafts, logits)):
@@ -180,6 +182,8 @@ class SpeculativeBatch(Batch):
             self.stats.accepted += kept
             self.stats.emitted += len(seq.output_ids) - before
             events.append((seq, text))
+            self.drafter.verified(seq, len(draft.tokens), kept)
         self.stats.steps += 1
+        self.drafter.observe(n, 1 + max(len(d.tokens) for d in drafts), time.perf_counter() - started)
         self.compact()
         return events

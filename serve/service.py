@@ -41,8 +41,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
                   max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 256, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, keepalive_s: float = 10.0, backend: str = "ort-cpu",
                   threads: int | None = None, spin: bool | None = None, low_memory: bool = False,
-                  prefix_cache_mb: int | None = None, speculative: str | None = None,
-                  draft: str | None = None, num_draft_tokens: int = 4, tool_call_format: str | None = None,
+                  prefix_cache_mb: int | None = None, speculative: str = "auto",
+                  draft: str | None = None, num_draft_tokens: int | None = None, tool_call_format: str | None = None,
                   reasoning_format: str = "auto") -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
@@ -54,8 +54,9 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     one memory-mapped copy of the weights, shared with other processes serving the same artifact
     (docs/performance.md). ``prefix_cache_mb`` bounds the prefix cache (0: off; None: the KV of ``max_batch``
     full-context sequences, at most 256 MiB, serve/prefix_cache.py);
-    ``speculative`` ("ngram" or "draft" with ``draft``, an artifact) drafts ``num_draft_tokens``
-    per step for every request (docs/decoding.md). ``tool_call_format`` names how the model writes
+    ``speculative``: "auto" drafts by prompt lookup where it pays (a lone running request with
+    text to copy), "ngram" always, "draft" with ``draft`` (an artifact), "off" never;
+    ``num_draft_tokens`` per step (auto's cap; docs/decoding.md). ``tool_call_format`` names how the model writes
     tool calls (serve/tool_calls.py FORMATS) where its chat template does not tell.
     ``reasoning_format`` "auto" returns a thinking template's reasoning as ``reasoning_content``
     (runtime/reasoning.py); "none" leaves it in ``content``.
@@ -76,7 +77,7 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     name = model_name or artifact.root.resolve().name
     if engine is None:
         if artifact.manifest.kind == "encoder":
-            if speculative is not None:
+            if speculative not in ("auto", "off"):
                 raise InputError("speculative decoding applies to text generation; this artifact is an encoder")
             return build_embedding_service(artifact, name, key, max_batch=max_batch, max_queue=max_queue,
                                            max_body_bytes=max_body_bytes, threads=threads)
@@ -85,8 +86,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     else:
         load = lambda: engine  # noqa: E731
     load_drafter = None
-    if speculative is not None:
-        check_speculative(speculative, draft, num_draft_tokens)
+    check_speculative(speculative, draft, num_draft_tokens)
+    if speculative != "off":
         load_drafter = lambda target: make_drafter(speculative, target, num_draft_tokens, draft,  # noqa: E731
                                                    backend=backend, threads=threads)
     if prefix_cache_mb is None:
@@ -169,10 +170,6 @@ class Service(BaseService):
         self.check_admitting()
         engine = self.engine()
         job = parse_job(raw, chat, engine, self.model_name, self.tool_format, self.reasoning_format)
-        if self.scheduler.drafter is not None and job.params[0].constraint is not None:
-            raise ApiError(400, "constrained decoding (response_format, structured_outputs, tools) and this server's "
-                                "speculative decoding do not combine yet", param="tools" if job.tools else "response_format",
-                           code="unsupported_parameter")
         seqs = [Sequence(job.prompts[i // job.n], p, engine.tokenizer, engine.max_seq_len) for i, p in enumerate(job.params)]
         if len(seqs) > self.scheduler.capacity:
             raise ApiError(400, f"request asks for {len(seqs)} sequences; this server holds at most "

@@ -155,7 +155,8 @@ def test_cli_generate_with_beams(llama_artifact, models, capsys):
     (["--length-penalty", "2"], "--num-beams"),
     (["--speculative", "draft"], "needs --draft"),
     (["--speculative", "ngram", "--draft", "x"], "--draft is for --speculative draft"),
-    (["--draft", "x"], "add --speculative"),
+    (["--draft", "x"], "--draft is for --speculative draft; auto needs no draft model"),
+    (["--speculative", "off", "--num-draft-tokens", "3"], "which --speculative off turns off"),
     (["--speculative", "ngram", "--num-draft-tokens", "0"], "draft tokens"),
     (["--speculative", "draft", "--draft", "/nonexistent"], "does not exist"),
 ])

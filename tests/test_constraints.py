@@ -171,13 +171,22 @@ def test_logit_bias_rule_shared_by_cli_and_server():
             check(bad, "logit_bias")
 
 
-def test_speculative_decoding_refuses_a_constraint(engine):
+@pytest.mark.parametrize("method", ["ngram", "auto"])
+def test_speculation_keeps_constrained_and_biased_output_identical(engine, method):
+    """Drafts are verified by each row's own choice (mask, bias, one uniform per token), so a
+    constrained, biased, sampled row writes exactly what plain decoding writes."""
     from llmx.runtime.drafters import make_drafter
 
-    params = SamplingParams(max_new_tokens=8, temperature=0, constraint=compiled(engine, ConstraintSpec.json_object()))
-    drafter = make_drafter("ngram", engine, 3)
-    with pytest.raises(InputError, match="speculative decoding do not combine"):
-        generate(engine.backend, engine.tokenizer, [engine.tokenizer.encode("x")], params, drafter=drafter)
+    schema = {"type": "array", "items": {"type": "string", "enum": ["alpha beta gamma", "delta"]}, "minItems": 6, "maxItems": 6}
+    prompt = [engine.tokenizer.encode('["alpha beta gamma", "alpha beta gamma", "delta", "alpha beta gamma"]\n')]
+    for temperature, seed in ((0.0, None), (0.9, 4)):
+        params = SamplingParams(max_new_tokens=60, temperature=temperature, seed=seed, logit_bias={5: -2.0},
+                                constraint=compiled(engine, ConstraintSpec.json_schema(schema)))
+        plain = generate(engine.backend, engine.tokenizer, prompt, params)[0]
+        drafter = make_drafter(method, engine)
+        fast = generate(engine.backend, engine.tokenizer, prompt, params, drafter=drafter)[0]
+        assert fast.output_ids == plain.output_ids and len(json.loads(fast.text)) == 6
+        assert drafter.stats.accepted > 0
 
 
 def test_masks_prefetched_during_the_model_step_equal_computed_ones(engine):
@@ -226,7 +235,7 @@ def test_generate_cli_logit_bias(demo_artifact, capsys):
     (["--regex", "a(b"], "error: invalid regex"),
     (["--regex", "a", "--regex", "b"], None),  # the last one wins, as click does
     (["--regex", "a", "--num-beams", "2"], "does not combine with --num-beams"),
-    (["--regex", "a", "--speculative", "ngram"], "does not combine with --speculative"),
+    (["--regex", "a", "--speculative", "ngram"], None),  # drafts are verified under the constraint
     (["--logit-bias", "4096=1"], "token id in [0, 4096)"),
     (["--logit-bias", "7"], "--logit-bias must be ID=BIAS"),
 ])

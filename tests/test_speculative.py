@@ -13,7 +13,7 @@ import pytest
 
 from checkpoints import make_checkpoint
 from llmx.errors import InputError
-from llmx.runtime.drafters import DraftModelDrafter, NgramDrafter, make_drafter
+from llmx.runtime.drafters import AutoDrafter, DraftModelDrafter, NgramDrafter, make_drafter
 from llmx.runtime.engine import Engine
 from llmx.runtime.generate import generate
 from llmx.runtime.sampling import SamplingParams, softmax, warp
@@ -94,6 +94,74 @@ def test_greedy_output_is_token_identical(target, small_draft, kind, prompt):
         assert stats.acceptance_rate == 1.0 and stats.steps <= -(-39 // 5)  # k + 1 tokens per call
     if kind == "ngram" and prompt == "repetitive":
         assert stats.acceptance_rate > 0.5 and stats.emitted / stats.steps > 1.5
+
+
+@pytest.mark.parametrize("method", ["ngram", "auto"])
+def test_sampled_output_with_lookup_is_token_identical(demo_artifact, method):
+    """Lookup drafts are verified by the row's own draw, one uniform per emitted token: the same
+    seed gives the same tokens as plain sampling. (The demo model has real weights, so its
+    sampled text repeats the prompt and drafts are kept.)"""
+    demo = Engine.load(demo_artifact, threads=1)
+    for seed in (1, 2):
+        params = SamplingParams(max_new_tokens=40, temperature=0.3, top_p=0.95, seed=seed, ignore_eos=True)
+        plain = run(demo, [PROMPTS["repetitive"]], params)[0]
+        drafter = make_drafter(method, demo)
+        fast = run(demo, [PROMPTS["repetitive"]], params, drafter)[0]
+        assert fast.output_ids == plain.output_ids and drafter.stats.accepted > 0
+
+
+def test_auto_sizes_drafts_by_acceptance_and_measured_cost():
+    auto = AutoDrafter(8)
+    assert auto.best_length(0.6, 8) > 0  # the prior drafts: untried widths are assumed cheap
+    auto.observe(1, 1, 0.010)
+    for width, seconds in ((2, 0.013), (3, 0.0135), (5, 0.0145), (9, 0.0195)):  # fp32 135M, measured shape
+        auto.observe(1, width, seconds)
+    auto.observe(4, 9, 1.0)  # a batch of 4 rows says nothing of one row's cost
+    assert auto.cost(9) == pytest.approx(1.95)
+    assert auto.cost(7) == pytest.approx(1.7)  # between measured widths 5 and 9
+    assert auto.best_length(0.95, 8) >= 6 and 0 < auto.best_length(0.6, 8) < 6
+    assert auto.best_length(0.2, 8) == 0  # too few kept to pay for the wider call
+    for width in (2, 3, 5, 9):  # a backend whose wider calls cost as much as that many steps
+        auto.observe(1, width, 0.010 * width)
+        auto.seconds[width] = 0.010 * width
+    assert auto.best_length(0.9, 8) == 0
+
+
+def test_auto_stops_on_rejections_comes_back_and_never_drafts_for_a_crowd(target):
+    auto = AutoDrafter(8)
+    seq = Sequence(target.encode(PROMPTS["repetitive"]), SamplingParams(max_new_tokens=50), target.tokenizer, 256)
+    assert auto.propose([seq], [8])[0].tokens  # text to copy, prior acceptance: a draft
+    for _ in range(6):
+        auto.verified(seq, 4, 0)
+    assert not auto.propose([seq], [8])[0].tokens  # rejected again and again: off
+    for _ in range(40):  # each step it does not draft, its estimate drifts back to the prior
+        auto.propose([seq], [8])
+    assert auto.propose([seq], [8])[0].tokens
+    other = Sequence(target.encode(PROMPTS["repetitive"]), SamplingParams(max_new_tokens=50), target.tokenizer, 256)
+    assert all(not d.tokens for d in auto.propose([seq, other], [8, 8]))
+
+
+class WidthVariantBackend:
+    """The target's backend, except that a call of several tokens shifts the logits slightly (as
+    ONNX Runtime's MatMulNBits rounds a several-row product: 1 % of the range on a 135M w4 graph)."""
+
+    def __init__(self, backend):
+        self._b = backend
+
+    def __getattr__(self, name):
+        return getattr(self._b, name)
+
+    def decode(self, cache, ids):
+        logits = self._b.decode(cache, ids)
+        return logits + (0.05 if ids.shape[1] > 1 else 0.0) * np.arange(logits.shape[-1], dtype=np.float32) / logits.shape[-1]
+
+
+def test_auto_does_not_draft_where_a_wider_call_changes_the_logits(target):
+    assert AutoDrafter(8, target.backend).width_invariant()  # fp32 kernels: the same logits at any width
+    auto = AutoDrafter(8, WidthVariantBackend(target.backend))
+    seq = Sequence(target.encode(PROMPTS["repetitive"]), SamplingParams(max_new_tokens=50), target.tokenizer, 256)
+    assert not auto.width_invariant() and not auto.propose([seq], [8])[0].tokens
+    assert NgramDrafter(4).propose([seq], [4])[0].tokens  # asked for by name, lookup still drafts
 
 
 @pytest.mark.parametrize("kind", ["ngram", "small-draft"])
@@ -237,7 +305,7 @@ def test_cli_reports_acceptance_and_matches_plain_greedy(llama_artifact, capsys)
 
     args = ["generate", str(llama_artifact), PROMPTS["repetitive"], "--temperature", "0", "--max-new-tokens", "24",
             "--threads", "1", "--json"]
-    main(args)
+    main(args + ["--speculative", "off"])
     plain = json.loads(capsys.readouterr().out)
     main(args + ["--speculative", "ngram", "--num-draft-tokens", "5"])
     fast = json.loads(capsys.readouterr().out)
@@ -246,6 +314,10 @@ def test_cli_reports_acceptance_and_matches_plain_greedy(llama_artifact, capsys)
     assert spec["method"] == "ngram" and spec["num_draft_tokens"] == 5
     assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"], abs=1e-4)
     assert spec["tokens_per_step"] > 1
+    main(args)  # the default: auto, which drafts on this repetitive text
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["token_ids"] == plain["token_ids"]
+    assert auto["speculative"]["method"] == "auto" and auto["speculative"]["accepted"] > 0
 
 
 def test_judge_greedy_accepts_only_the_argmax(target):

@@ -67,7 +67,8 @@ def register(cli: click.Group) -> None:
         constraints = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
                        if value]
         given = [name for name in BEAM_OPTIONS if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-        DecodingRequest(constraints, bool(logit_bias), num_beams > 1, bool(speculative), given, sampling).check(FLAGS)
+        DecodingRequest(constraints, bool(logit_bias), num_beams > 1, speculative in ("ngram", "draft"), given,
+                        sampling).check(FLAGS)
         spec = _constraint_spec(json_schema, regex, grammar)
         bias = _logit_bias(logit_bias)
         beams = _beam_params(num_beams, length_penalty, early_stopping, sampling)
@@ -77,11 +78,9 @@ def register(cli: click.Group) -> None:
         ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
         if beams is not None:
             return _run_beams(engine, ids, beams, as_json)
-        drafter = None
-        if speculative:
-            from llmx.runtime.drafters import make_drafter
+        from llmx.runtime.drafters import make_drafter
 
-            drafter = make_drafter(speculative, engine, num_draft_tokens, draft, backend=backend, threads=threads)
+        drafter = make_drafter(speculative, engine, num_draft_tokens, draft, backend=backend, threads=threads)
         thinking = None
         if chat:
             from llmx.runtime.reasoning import Reasoning, detect_format

@@ -26,16 +26,17 @@ def backend_options(f):
 
 def speculative_options(f):
     """--speculative/--draft/--num-draft-tokens, shared by generate and serve."""
-    f = click.option("--num-draft-tokens", type=int, default=4, show_default=True,
-                     help="Tokens drafted per step for --speculative.")(f)
+    f = click.option("--num-draft-tokens", type=int, default=None,
+                     help="Tokens drafted per step: ngram and draft 4; auto sizes its drafts up to this cap (8).")(f)
     f = click.option("--draft", type=click.Path(path_type=str), default=None,
                      help="Draft model artifact for --speculative draft (same tokenizer, smaller model).")(f)
-    return click.option("--speculative", type=click.Choice(["ngram", "draft"]), default=None,
-                        help="Speculative decoding: ngram (prompt lookup, no second model) or draft (--draft ART).")(f)
+    return click.option("--speculative", type=click.Choice(["auto", "ngram", "draft", "off"]), default="auto", show_default=True,
+                        help="Speculative decoding: auto (prompt lookup where it pays: one running request with text "
+                             "to copy), ngram (prompt lookup every step), draft (--draft ART), off. Output is the same.")(f)
 
 
-def check_speculative_options(ctx: click.Context, speculative: str | None) -> None:
-    if speculative is None:
+def check_speculative_options(ctx: click.Context, speculative: str) -> None:
+    if speculative == "off":
         for name in ("draft", "num_draft_tokens"):
             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-                raise InputError(f"--{name.replace('_', '-')} applies to speculative decoding: add --speculative")
+                raise InputError(f"--{name.replace('_', '-')} applies to speculative decoding, which --speculative off turns off")
