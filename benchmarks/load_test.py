@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -108,11 +109,12 @@ def build_artifact(model: str, workdir: Path) -> Path:
 # -- the server --------------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, artifact: Path, max_batch: int, max_queue: int, threads: int, spin: bool = False,
+    def __init__(self, artifact: Path, max_batch: int, max_queue: int, threads: int, spin: bool | None = None,
                  extra: tuple[str, ...] = ()):
+        # spin None: the server's own default (runtime/cpu_plan.py decides from the free cores)
         cmd = [sys.executable, "-m", "llmx.cli", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", "--quiet",
                "--max-batch", str(max_batch), "--max-queue", str(max_queue), "--threads", str(threads),
-               "--spin" if spin else "--no-spin", *extra]
+               *([] if spin is None else ["--spin" if spin else "--no-spin"]), *extra]
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
         line = self.proc.stderr.readline()
         match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", line)
@@ -246,15 +248,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--time-limit", type=float, default=1200, help="seconds for the whole load phase")
-    ap.add_argument("--spin", action="store_true", help="start the server with --spin (to compare)")
+    ap.add_argument("--spin", action=argparse.BooleanOptionalAction, default=None,
+                    help="start the server with --spin or --no-spin (default: neither, the server decides)")
     ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--server-args", default="", help="more llmx serve flags, e.g. '--prefix-cache-mb 0'")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     args = ap.parse_args()
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     art = build_artifact(args.model, args.workdir)
-    server = Server(art, args.max_batch, args.max_queue, args.threads, args.spin)
+    server = Server(art, args.max_batch, args.max_queue, args.threads, args.spin, tuple(shlex.split(args.server_args)))
     report: dict = {"model": args.model, "artifact": str(art), "max_batch": args.max_batch, "max_queue": args.max_queue,
                     "spin": args.spin}
     try:
