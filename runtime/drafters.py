@@ -270,6 +270,7 @@ class DraftModelDrafter(FixedDrafter):
 
 
 METHODS = ("auto", "ngram", "draft", "off")
+EXPLICIT = ("ngram", "draft")  # asked for by name: they draft for every request; auto and off ask nothing of one
 DEFAULT_DRAFT_TOKENS = {"auto": 8, "ngram": 4, "draft": 4}  # auto's is a cap: its drafts are sized as they go
 
 

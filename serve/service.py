@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 
 from llmx.artifact.handle import Artifact
 from llmx.errors import InputError
-from llmx.runtime.drafters import check_speculative, make_drafter
+from llmx.runtime.drafters import EXPLICIT, check_speculative, make_drafter
 from llmx.runtime.engine import Engine, engine_options
 from llmx.runtime.sequence import Sequence
 from llmx.serve.base_service import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, BaseService
@@ -75,9 +75,10 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     # A wrong path fails here, loudly, not later in the scheduler thread.
     artifact = engine.artifact if engine is not None else Artifact.of(artifact)
     name = model_name or artifact.root.resolve().name
+    check_speculative(speculative, draft, num_draft_tokens)
     if engine is None:
         if artifact.manifest.kind == "encoder":
-            if speculative not in ("auto", "off"):
+            if speculative in EXPLICIT:
                 raise InputError("speculative decoding applies to text generation; this artifact is an encoder")
             return build_embedding_service(artifact, name, key, max_batch=max_batch, max_queue=max_queue,
                                            max_body_bytes=max_body_bytes, threads=threads)
@@ -86,7 +87,6 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     else:
         load = lambda: engine  # noqa: E731
     load_drafter = None
-    check_speculative(speculative, draft, num_draft_tokens)
     if speculative != "off":
         load_drafter = lambda target: make_drafter(speculative, target, num_draft_tokens, draft,  # noqa: E731
                                                    backend=backend, threads=threads)

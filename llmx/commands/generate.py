@@ -67,8 +67,9 @@ def register(cli: click.Group) -> None:
         constraints = [flag for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
                        if value]
         given = [name for name in BEAM_OPTIONS if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
-        DecodingRequest(constraints, bool(logit_bias), num_beams > 1, speculative in ("ngram", "draft"), given,
-                        sampling).check(FLAGS)
+        from llmx.runtime.drafters import EXPLICIT, make_drafter
+
+        DecodingRequest(constraints, bool(logit_bias), num_beams > 1, speculative in EXPLICIT, given, sampling).check(FLAGS)
         spec = _constraint_spec(json_schema, regex, grammar)
         bias = _logit_bias(logit_bias)
         beams = _beam_params(num_beams, length_penalty, early_stopping, sampling)
@@ -78,8 +79,6 @@ def register(cli: click.Group) -> None:
         ids = engine.tokenizer.encode(text, add_special_tokens=not chat)
         if beams is not None:
             return _run_beams(engine, ids, beams, as_json)
-        from llmx.runtime.drafters import make_drafter
-
         drafter = make_drafter(speculative, engine, num_draft_tokens, draft, backend=backend, threads=threads)
         thinking = None
         if chat:
@@ -92,8 +91,6 @@ def register(cli: click.Group) -> None:
 class Flags:
     """The shared decoding rules' refusals (runtime/decoding_request.py), in this command's flags."""
 
-    MODES = {"beams": "--num-beams", "speculative": "--speculative"}
-
     def several_constraints(self, names: list[str]):
         raise InputError(f"{' and '.join(names)} do not combine: give one constraint")
 
@@ -101,7 +98,7 @@ class Flags:
         if feature == "beams":
             raise InputError("beam search and speculative decoding do not combine: drop --speculative or --num-beams")
         what = "--logit-bias" if feature == "logit_bias" else "a constraint (--json-schema/--regex/--grammar)"
-        raise InputError(f"{what} does not combine with {self.MODES[mode]}")
+        raise InputError(f"{what} does not combine with --num-beams")  # the only mode that refuses them
 
     def beam_option_alone(self, name: str):
         raise InputError(f"--{name.replace('_', '-')} applies to beam search: add --num-beams N (N > 1)")
