@@ -7,7 +7,12 @@
 KV is kept per block of ``block`` tokens under a key that chains the block's tokens with its
 predecessor's key (as vLLM's automatic prefix caching does), so a hit means the entire prefix
 up to that block is the same. A lookup walks the prompt block by block until the first miss,
-always leaving at least one prompt token to compute (its logits choose the first new token).
+then takes the longest common start of the missed block among the cached blocks that follow the
+same prefix (a block's first n slots depend only on the tokens up to them), always leaving at
+least one prompt token to compute (its logits choose the first new token). Token-granular reuse
+matters for chat: requests share the template and system prompt up to the user's text, which
+rarely ends on a block boundary (SmolLM2's template: 16 of ~28 shared tokens by whole blocks),
+and llama-server reuses a slot's cached prompt to the token.
 The scheduler copies the blocks found into a fresh row and runs only the rest of the prompt
 (``ChunkedPrefill`` continuing on the decode graph).
 
@@ -22,11 +27,18 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 
 BLOCK = 16
 DEFAULT_CAP_BYTES = 256 << 20
+
+
+class _Block(NamedTuple):
+    parent: bytes  # the key of the prefix before this block (b"" for the first)
+    tokens: np.ndarray  # its token ids, for partial matches
+    entries: list[np.ndarray]  # its KV, one [kv_heads, block, head_dim] array per cache buffer
 
 
 def default_bytes(manifest, max_batch: int) -> int:
@@ -43,7 +55,8 @@ class PrefixCache:
         if block < 1:
             raise ValueError("block must be >= 1")
         self.max_bytes, self.block = max_bytes, block
-        self._blocks: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()  # least recently used first
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
+        self._children: dict[bytes, set[bytes]] = {}  # a prefix's key -> the cached blocks after it
         self.nbytes = 0
         self.evictions = 0
 
@@ -67,12 +80,31 @@ class PrefixCache:
             if key not in self._blocks:
                 break
             found.append(key)
-        if not found:
+        start = len(found) * self.block
+        part, partial = self._partial(found[-1] if found else b"", prompt[start : min(start + self.block, len(prompt) - 1)])
+        chain = found + ([part] if partial else [])
+        if not chain:
             return None
-        self._refresh(found)
-        parts = [self._blocks[k] for k in found]
+        self._refresh(chain)
+        parts = [self._blocks[k].entries for k in found]
+        if partial:
+            parts.append([e[:, :partial] for e in self._blocks[part].entries])
         entries = [np.concatenate([p[b] for p in parts], axis=1) for b in range(len(parts[0]))]
-        return len(found) * self.block, entries
+        return start + partial, entries
+
+    def _partial(self, parent: bytes, want: list[int]) -> tuple[bytes | None, int]:
+        """The cached block after ``parent`` whose tokens start like ``want`` the longest."""
+        best, length = None, 0
+        if not want:
+            return best, length
+        want_arr = np.asarray(want, dtype=np.int64)
+        for key in self._children.get(parent, ()):
+            tokens = self._blocks[key].tokens[: len(want_arr)]
+            differ = np.flatnonzero(tokens != want_arr[: len(tokens)])
+            common = int(differ[0]) if differ.size else len(tokens)
+            if common > length:
+                best, length = key, common
+        return best, length
 
     def insert(self, tokens: list[int], cache, row: int) -> int:
         """Keep the KV of every full block of ``tokens`` (whose KV fills row ``row`` of
@@ -86,7 +118,10 @@ class PrefixCache:
             size = sum(e.nbytes for e in entries)
             if size > self.max_bytes:
                 return added
-            self._blocks[key] = entries
+            parent = keys[i - 1] if i else b""
+            chunk = np.asarray(tokens[i * self.block : (i + 1) * self.block], dtype=np.int64)
+            self._blocks[key] = _Block(parent, chunk, entries)
+            self._children.setdefault(parent, set()).add(key)
             self.nbytes += size
             added += 1
         self._refresh(keys)
@@ -100,6 +135,10 @@ class PrefixCache:
 
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self._blocks:
-            _, entries = self._blocks.popitem(last=False)
-            self.nbytes -= sum(e.nbytes for e in entries)
+            key, block = self._blocks.popitem(last=False)
+            siblings = self._children[block.parent]
+            siblings.discard(key)
+            if not siblings:
+                del self._children[block.parent]
+            self.nbytes -= sum(e.nbytes for e in block.entries)
             self.evictions += 1

@@ -75,8 +75,10 @@ def test_warm_request_skips_prefill_of_the_cached_prefix_and_matches_cold(engine
         prefills, computed = backend.prefill_tokens, backend.prefill_tokens + backend.decode_tokens
         b = run(scheduler, engine, second, **params)
         assert a.output_ids == reference[0] and b.output_ids == reference[1]
-        cached = (len(system) // 16) * 16
-        assert a.cached_tokens == 0 and b.cached_tokens == cached > 0
+        # whole blocks, then the shared start of the next one: up to the first token that differs
+        cached = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+        assert cached >= len(system)
+        assert a.cached_tokens == 0 and b.cached_tokens == cached > 16
         assert backend.prefill_tokens == prefills  # the prefill graph never ran for the warm request
         work = backend.prefill_tokens + backend.decode_tokens - computed
         assert work == len(second) - cached + params["max_new_tokens"] - 1  # the uncached rest, then decode steps
@@ -108,9 +110,35 @@ def test_lookup_walks_chained_blocks_and_leaves_a_token_to_compute(engine):
     assert hit == 12
     for mine, ref in zip(entries, kv.read(0, 0, 12)):
         np.testing.assert_array_equal(mine, ref)
-    assert cache.lookup(ids[:12])[0] == 8  # the last prompt token is always computed
+    assert cache.lookup(ids[:12])[0] == 11  # the last prompt token is always computed
     assert cache.lookup([ids[0] + 1] + ids[1:]) is None  # a different first block: no later block matches
-    assert cache.lookup(ids[:4] + [0, 0, 0, 0] + ids[8:])[0] == 4  # same block 3 after another block 2: no hit
+    other = [t + 1 for t in ids[4:8]]
+    assert cache.lookup(ids[:4] + other + ids[8:])[0] == 4  # same block 3 after another block 2: no hit
+
+
+def test_a_missed_block_reuses_its_longest_cached_start_among_those_after_the_same_prefix(engine):
+    """Chat prompts share the template up to the user's text, mid-block: those slots are reused
+    to the token, from whichever cached continuation of the same prefix shares the most."""
+    backend, cache = engine.backend, PrefixCache(1 << 30, block=4)
+    ids = engine.encode(SYSTEM)[:12]
+    variants = [ids[:5] + [t + 1 for t in ids[5:]], ids[:6] + [t + 1 for t in ids[6:]]]  # block 1 differs from slot 5 / 6 on
+    kvs = []
+    for tokens in variants:
+        kv = backend.new_cache(1, len(tokens))
+        backend.prefill(kv, [0], [tokens])
+        cache.insert(tokens, kv, 0)
+        kvs.append(kv)
+    hit, entries = cache.lookup(ids + [9])
+    assert hit == 6  # block 0 whole, then 2 slots of the second variant's block 1 (the first shares 1)
+    for mine, ref in zip(entries, kvs[1].read(0, 0, 6)):
+        np.testing.assert_array_equal(mine, ref)
+    assert cache.lookup(ids[:7])[0] == 6 and cache.lookup(ids[:6])[0] == 5  # never the last prompt token
+    assert cache.lookup(ids[:4] + [ids[4] + 1] + ids[5:])[0] == 4  # nothing after block 0 starts this way
+    small = PrefixCache(2 * sum(e.nbytes for e in entries) // 6 * 4, block=4)  # room for two blocks
+    for tokens, kv in zip(variants, kvs):
+        small.insert(tokens, kv, 0)
+    assert small.lookup(ids + [9])[0] == 6 and small.evictions == 3 and len(small) == 2  # v1: 3 in, 1 out; v2: 2 in, 2 out
+    assert sum(len(c) for c in small._children.values()) == len(small)  # evicted blocks left their parent's list
 
 
 def test_memory_stays_under_budget_and_chains_lose_their_tails_first(engine):
