@@ -35,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -115,7 +116,10 @@ class Server:
     def __init__(self, name: str, cmd: list[str], port: int, ready_path: str):
         self.name, self.port, self.ready_path = name, port, ready_path
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # A file, not a pipe: nobody reads a pipe while the server runs, and a server that logs
+        # every request (llama-server does) blocks mid-stream once the pipe's 64 KiB are full.
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 600) -> None:
@@ -124,7 +128,8 @@ class Server:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.proc.stderr.read().decode()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"{self.name} exited: {self.log.read().decode(errors='replace')[-2000:]}")
             try:
                 if requests.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return
@@ -139,6 +144,7 @@ class Server:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 def llmx_server(artifact: Path, slots: int, threads: int, extra: list[str]) -> Server:
