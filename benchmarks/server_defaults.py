@@ -225,6 +225,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"server_defaults_{time.strftime('%Y-%m-%d_%H%M')}"
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "ratios": ratios, "pairs": data}, indent=1))
+    (args.out / "server_defaults_partial.json").unlink(missing_ok=True)
     tuned = f"; llmx {' '.join(args.llmx_args)}" * bool(args.llmx_args) + f"; llama {' '.join(args.llama_args)}" * bool(args.llama_args)
     header = (f"{args.threads} threads each, {args.rounds} interleaved rounds, {args.tokens} tokens per stream, "
               f"defaults{tuned}; load average {load_start} -> {meta['load_avg_1m_at_end']} on {os.cpu_count()} CPUs; "
