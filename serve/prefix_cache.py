@@ -56,7 +56,9 @@ class PrefixCache:
             raise ValueError("block must be >= 1")
         self.max_bytes, self.block = max_bytes, block
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
-        self._children: dict[bytes, set[bytes]] = {}  # a prefix's key -> the cached blocks after it
+        # (a prefix's key, a first token) -> the cached blocks after that prefix starting with it:
+        # a partial match needs the first token, and so a lookup scans only blocks that have it.
+        self._children: dict[tuple[bytes, int], set[bytes]] = {}
         self.nbytes = 0
         self.evictions = 0
 
@@ -98,7 +100,7 @@ class PrefixCache:
         if not want:
             return best, length
         want_arr = np.asarray(want, dtype=np.int64)
-        for key in self._children.get(parent, ()):
+        for key in self._children.get((parent, int(want_arr[0])), ()):
             tokens = self._blocks[key].tokens[: len(want_arr)]
             differ = np.flatnonzero(tokens != want_arr[: len(tokens)])
             common = int(differ[0]) if differ.size else len(tokens)
@@ -121,7 +123,7 @@ class PrefixCache:
             parent = keys[i - 1] if i else b""
             chunk = np.asarray(tokens[i * self.block : (i + 1) * self.block], dtype=np.int64)
             self._blocks[key] = _Block(parent, chunk, entries)
-            self._children.setdefault(parent, set()).add(key)
+            self._children.setdefault((parent, int(chunk[0])), set()).add(key)
             self.nbytes += size
             added += 1
         self._refresh(keys)
@@ -136,9 +138,9 @@ class PrefixCache:
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self._blocks:
             key, block = self._blocks.popitem(last=False)
-            siblings = self._children[block.parent]
+            siblings = self._children[block.parent, int(block.tokens[0])]
             siblings.discard(key)
             if not siblings:
-                del self._children[block.parent]
+                del self._children[block.parent, int(block.tokens[0])]
             self.nbytes -= sum(e.nbytes for e in block.entries)
             self.evictions += 1
