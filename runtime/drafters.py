@@ -117,6 +117,7 @@ class AutoDrafter(NgramDrafter):
     def __init__(self, num_tokens: int = 8, backend=None):
         super().__init__(num_tokens, max_ngram=3, min_ngram=2)  # a 1-token match is mostly chance in prose
         self.seconds: dict[int, float] = {}  # one-row step time per width, a moving average
+        self._warmed: set[int] = set()  # widths run once (their first run is not timed)
         self.acceptance: dict[int, float] = {}  # per sequence id
         self._backend = backend
         self.identical: bool | None = None if backend is not None else True  # probed on first use
@@ -140,9 +141,16 @@ class AutoDrafter(NgramDrafter):
         return self.identical
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        if rows == 1:
-            old = self.seconds.get(width)
-            self.seconds[width] = seconds if old is None else old + self.LEARN * (seconds - old)
+        if rows != 1:
+            return
+        if width not in self._warmed:
+            # ONNX Runtime's first run at a new shape allocates its buffers (several times a
+            # step's cost on a busy box): taken as the width's cost, it would price that width
+            # out for good, since a width deemed too dear is never run, so never re-measured.
+            self._warmed.add(width)
+            return
+        old = self.seconds.get(width)
+        self.seconds[width] = seconds if old is None else old + self.LEARN * (seconds - old)
 
     def verified(self, seq: Sequence, drafted: int, kept: int) -> None:
         a = self.acceptance.get(seq.id, self.PRIOR)
