@@ -83,7 +83,8 @@ class PrefixCache:
                 break
             found.append(key)
         start = len(found) * self.block
-        part, partial = self._partial(found[-1] if found else b"", prompt[start : min(start + self.block, len(prompt) - 1)])
+        want = prompt[start : min(start + self.block, len(prompt) - 1)]
+        part, partial = self._partial(found[-1] if found else b"", want)
         chain = found + ([part] if partial else [])
         if not chain:
             return None
@@ -101,9 +102,9 @@ class PrefixCache:
             return best, length
         want_arr = np.asarray(want, dtype=np.int64)
         for key in self._children.get((parent, int(want_arr[0])), ()):
-            tokens = self._blocks[key].tokens[: len(want_arr)]
-            differ = np.flatnonzero(tokens != want_arr[: len(tokens)])
-            common = int(differ[0]) if differ.size else len(tokens)
+            # a cached block is full, so never shorter than ``want``
+            differ = np.flatnonzero(self._blocks[key].tokens[: len(want_arr)] != want_arr)
+            common = int(differ[0]) if differ.size else len(want_arr)
             if common > length:
                 best, length = key, common
         return best, length
@@ -138,9 +139,9 @@ class PrefixCache:
     def _evict(self) -> None:
         while self.nbytes > self.max_bytes and self._blocks:
             key, block = self._blocks.popitem(last=False)
-            siblings = self._children[block.parent, int(block.tokens[0])]
-            siblings.discard(key)
-            if not siblings:
-                del self._children[block.parent, int(block.tokens[0])]
+            index = (block.parent, int(block.tokens[0]))
+            self._children[index].discard(key)
+            if not self._children[index]:
+                del self._children[index]
             self.nbytes -= sum(e.nbytes for e in block.entries)
             self.evictions += 1
