@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from drafting import fixed_costs
 from llmx.errors import InputError, MissingDependencyError
 from llmx.runtime.constraints import ConstraintError, ConstraintSpec, compile_constraint
 from llmx.runtime.generate import generate
@@ -184,9 +185,8 @@ def test_speculation_keeps_constrained_and_biased_output_identical(engine, metho
                                 constraint=compiled(engine, ConstraintSpec.json_schema(schema)))
         plain = generate(engine.backend, engine.tokenizer, prompt, params)[0]
         drafter = make_drafter(method, engine)
-        if method == "auto":  # what is claimed is the verification, not the timing: costs fixed
-            drafter.seconds = {w: 1 + 0.1 * (w - 1) for w in range(1, 10)}
-            drafter.observe = lambda *_: None
+        if method == "auto":
+            fixed_costs(drafter)
         fast = generate(engine.backend, engine.tokenizer, prompt, params, drafter=drafter)[0]
         assert fast.output_ids == plain.output_ids and len(json.loads(fast.text)) == 6
         assert drafter.stats.accepted > 0

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from checkpoints import make_checkpoint
+from drafting import fixed_costs
 from llmx.errors import InputError
 from llmx.runtime.drafters import AutoDrafter, DraftModelDrafter, NgramDrafter, make_drafter
 from llmx.runtime.engine import Engine
@@ -106,9 +107,8 @@ def test_sampled_output_with_lookup_is_token_identical(demo_artifact, method):
         params = SamplingParams(max_new_tokens=40, temperature=0.3, top_p=0.95, seed=seed, ignore_eos=True)
         plain = run(demo, [PROMPTS["repetitive"]], params)[0]
         drafter = make_drafter(method, demo)
-        if method == "auto":  # what is claimed is the verification, not the timing: costs fixed
-            drafter.seconds = {w: 1 + 0.1 * (w - 1) for w in range(1, 10)}
-            drafter.observe = lambda *_: None
+        if method == "auto":
+            fixed_costs(drafter)
         fast = run(demo, [PROMPTS["repetitive"]], params, drafter)[0]
         assert fast.output_ids == plain.output_ids and drafter.stats.accepted > 0
 
