@@ -16,6 +16,7 @@ from typing import Callable
 
 from llmx.artifact.manifest import Manifest, Precision
 from llmx.artifact.onnx_files import describe_graph, save_graphs
+from llmx.compact_blocks import REBUILT, expand_in_graph
 from llmx.errors import ArtifactError
 from llmx.export.checkpoint import Checkpoint
 from llmx.export.manifest import FP32, decoder_io, decoder_manifest, with_export_lineage
@@ -42,6 +43,7 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
     for name, graph in graphs.items():
         if weights.quantized and len(replace_matmuls(graph, weights.quantized, CPU_ACCURACY_LEVEL)) != len(weights.quantized):
             raise ArtifactError(f"internal error: {name}: not every quantized weight feeds a MatMul")
+        expand_in_graph(graph, weights.rebuilt)
     save_graphs(graphs, tmp, append=True)
     described = {name: describe_graph(graphs[name], f"{name}.onnx", ops="onnxruntime") for name in GRAPHS}
     for name, graph in described.items():
@@ -57,6 +59,8 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
     else:
         section = Precision(**FP32)
     manifest = decoder_manifest(spec, described, tokenizer, section)
+    if weights.rebuilt:
+        manifest.extras[REBUILT] = {"tensors": len(weights.rebuilt), "load_bytes": weights.rebuilt_load_bytes}
     details = dict(prefill_logits="all" if all_logits else "last", graphs="fused", streamed=True,
                    target="onnxruntime", attention="com.microsoft.GroupQueryAttention",
                    activation=ACTIVATIONS[spec.activation][0], precision=precision)

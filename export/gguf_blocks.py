@@ -14,8 +14,9 @@ W[2048, 8192], 2 threads, "cold" = weights read from memory, as a model's are; f
 - 2 bits: exact, but always the unpacked path (70-200 ms).
 
 So every type maps onto 4 or 8 bits, block 16 or 32, integer codes. ``from_gguf`` gives the
-file's exact values as (q - z) * scale (bpw: bits per weight as written, float32 scales and
-offsets included, against the file's):
+file's exact values as (q - z) * scale (bpw: bits per weight as MatMulNBits reads them, float32
+scales and offsets included, against the file's; the artifact stores codes, fp16 scales and
+K-quant scales in fewer bits and rebuilds them at load, llmx/compact_blocks.py):
 
 =========  ========================  ==================================================  ====  ====
 type       MatMulNBits               codes / scale / zero point                          bpw   file
@@ -122,7 +123,8 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _codes(data: np.ndarray, qtype: str):
     """(codes [rows, blocks, block] int16, scales [rows, blocks] float32, offsets or None):
-    the file's values are scales * codes - offsets (offsets [rows, blocks] float32, exact)."""
+    the file's values are scales * codes - offsets (offsets [rows, blocks] float32, exact).
+    The K-quants' scales are d [rows, supers] times an integer per block: ``_units_of`` reads d."""
     rows = data.shape[0]
 
     def split(size: int, *widths: int) -> list[np.ndarray]:
@@ -193,6 +195,19 @@ def _codes(data: np.ndarray, qtype: str):
         sc = scales.view(np.int8).astype(np.float32)
         return q.reshape(rows, -1, 16) - 32, (_half(d)[..., None] * sc).reshape(rows, -1), None
     raise ValueError(f"no exact MatMulNBits layout for GGUF type {qtype}")
+
+
+_D_AT = {"Q2_K": (84, 80), "Q3_K": (110, 108), "Q4_K": (144, 0), "Q5_K": (176, 0), "Q6_K": (210, 208)}
+
+
+def _units_of(data: np.ndarray, qtype: str) -> tuple[np.ndarray, int] | None:
+    """A K-quant's super-block d [rows, supers] float32 and how many blocks share it: its scales
+    are d times a 4-8 bit integer per block (``Blocks.scale_units``)."""
+    if qtype not in _D_AT:
+        return None
+    size, at = _D_AT[qtype]
+    raw = data.reshape(data.shape[0], -1, size)[..., at:at + 2]
+    return _half(raw), QK // BLOCK_SIZE[qtype]
 
 
 def _units(b: np.ndarray, qtype: str) -> np.ndarray:
@@ -271,15 +286,22 @@ def from_gguf(data: np.ndarray, qtype: str) -> Blocks:
         raise ValueError(f"no exact MatMulNBits layout for GGUF type {qtype}")
     data = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, data.shape[-1])
     q, scales, offsets = _codes(data, qtype)
+    units = _units_of(data, qtype)
     bits, block = BITS[qtype], BLOCK_SIZE[qtype]
     q = q.reshape(data.shape[0], -1, block)
     if offsets is None:
-        return Blocks(bits, pack_codes(q + DEFAULT_ZERO_POINT[bits], bits), scales.astype(np.float32), None, block)
+        return Blocks(bits, pack_codes(q + DEFAULT_ZERO_POINT[bits], bits), scales.astype(np.float32), None, block,
+                      scale_units=units)
     # values = scales * q - offsets = (q - offsets / scales) * scales
-    dead = scales == 0  # every value is -offset: codes 0, scale 1, z = offset
+    dead = scales == 0  # every value is -offset: codes 0, any scale, z = offset
     q = np.where(dead[..., None], 0, q)
-    scales = np.where(dead, np.float32(1), scales).astype(np.float32)
-    return Blocks(bits, pack_codes(q, bits), scales, (offsets / scales).astype(np.float32), block)
+    if units is None:
+        fill = np.float32(1)
+    else:  # the super-block's d (1 where d is 0): the scale stays d times an integer (1)
+        units = np.where(units[0] == 0, np.float32(1), units[0]), units[1]
+        fill = np.repeat(units[0], units[1], axis=1)
+    scales = np.where(dead, fill, scales).astype(np.float32)
+    return Blocks(bits, pack_codes(q, bits), scales, (offsets / scales).astype(np.float32), block, scale_units=units)
 
 
 # ---- the MatMulNBits layout ------------------------------------------------------------------
@@ -337,7 +359,8 @@ def widen(blocks: Blocks, bits: int, block_size: int) -> Blocks:
     zp = None if zp is None else np.repeat(zp, split, axis=1)
     if zp is not None and zp.dtype == np.int16:  # uint8 zero points, packed like the codes
         zp = zp.astype(np.uint8) if bits == 8 else pack_codes(np.pad(zp, ((0, 0), (0, zp.shape[1] % 2)))[:, None], 4)[:, 0]
-    return Blocks(bits, pack_codes(q, bits), scales, zp, block_size)
+    units = None if blocks.scale_units is None else (blocks.scale_units[0], blocks.scale_units[1] * split)
+    return Blocks(bits, pack_codes(q, bits), scales, zp, block_size, scale_units=units)
 
 
 def widest(parts: list[Blocks]) -> tuple[int, int]:
@@ -373,7 +396,7 @@ def split_offsets(blocks: Blocks) -> tuple[Blocks, np.ndarray | None]:
     t = np.where(lowest == q.max(axis=-1), lowest, np.clip(np.round(zp), lo, hi))
     offsets = ((t - zp.astype(np.float64)) * blocks.scales).astype(np.float32)
     main = Blocks(blocks.bits, pack_codes(q - t[..., None].astype(np.int16) + default, blocks.bits),
-                  blocks.scales, None, blocks.block_size)
+                  blocks.scales, None, blocks.block_size, scale_units=blocks.scale_units)
     return main, (offsets if np.any(offsets) else None)
 
 

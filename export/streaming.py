@@ -27,6 +27,7 @@ from llmx.artifact.onnx_files import WeightsFile, external_reference
 from llmx.errors import CheckpointError
 from llmx.export.checkpoint import iter_weights, parameters_on_meta
 from llmx.export.modules import Decoder
+from llmx.compact_blocks import MARK, Rebuilt, compact_arrays
 from llmx.quant_blocks import Blocks, NBitsWeight, StackedBlocks, quantize_blocks
 from llmx.spec import ModelSpec
 from llmx.weight_names import graph_name
@@ -58,6 +59,10 @@ class StreamedWeights:
     quantized: dict[str, NBitsWeight] = field(default_factory=dict)  # graph name -> its MatMulNBits tensors
     lowered: dict[str, onnx.TensorProto] = field(default_factory=dict)  # graph name -> stored fp16/bf16 tensor
     gathered: dict[str, NBitsWeight] = field(default_factory=dict)  # a table looked up from its blocks (llmx/fused/embedding.py)
+    # Block tensors stored in fewer bits (llmx/compact_blocks.py): name -> (stored tensors, the
+    # nodes rebuilding it), for ``expand_in_graph``; and the bytes they add back when loaded.
+    rebuilt: dict[str, tuple[list[onnx.TensorProto], list]] = field(default_factory=dict)
+    rebuilt_load_bytes: int = 0
     bytes_written: int = 0
 
     def get(self, name: str) -> onnx.TensorProto:
@@ -152,7 +157,17 @@ def _stored_blocks(out: StreamedWeights, data: WeightsFile, name: str, blocks: B
         parts = [_stored_blocks(out, data, f"{name}_part{j}", part, k) for j, part in enumerate(blocks.parts)]
         return NBitsWeight(0, 0, k, blocks.n, [], parts=parts)
     stored = []
-    for tensor_name, values in blocks.arrays(name):
+    for item in compact_arrays(blocks, name):
+        if isinstance(item, Rebuilt):
+            parts = [_described(part, values) for part, values in item.stored]
+            for proto, (_, values) in zip(parts, item.stored):
+                out.bytes_written += _store(data, proto, values)
+            out.rebuilt[item.name] = parts, item.nodes
+            out.rebuilt_load_bytes += item.rebuilt_bytes - item.stored_bytes
+            stored.append(_described(item.name, np.empty(0, item.dtype), item.shape))
+            stored[-1].doc_string = MARK  # a placeholder: ``expand_in_graph`` swaps it for the parts
+            continue
+        tensor_name, values = item
         stored.append(_described(tensor_name, values))
         out.bytes_written += _store(data, stored[-1], values)
     return NBitsWeight.of(blocks, k, stored)

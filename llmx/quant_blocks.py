@@ -48,6 +48,10 @@ class Blocks:
     zero_points: np.ndarray | None = None  # uint8 packed or float32 per block; None: the kernel's default
     block_size: int = 32
     offsets: np.ndarray | None = None  # [N, K / block_size] float32
+    # (units [N, K / block_size / group] float32, group): a K-quant's scales are an fp16 d per
+    # super-block of ``group`` blocks times a small integer per block, stored as such
+    # (llmx/compact_blocks.py). Only a hint: whatever changes the scales drops it.
+    scale_units: tuple[np.ndarray, int] | None = None
 
     @property
     def n(self) -> int:
@@ -56,7 +60,8 @@ class Blocks:
     def rows(self, order: np.ndarray) -> "Blocks":
         zp = None if self.zero_points is None else self.zero_points[order]
         offsets = None if self.offsets is None else self.offsets[order]
-        return Blocks(self.bits, self.packed[order], self.scales[order], zp, self.block_size, offsets)
+        units = None if self.scale_units is None else (self.scale_units[0][order], self.scale_units[1])
+        return Blocks(self.bits, self.packed[order], self.scales[order], zp, self.block_size, offsets, units)
 
     def float_zero_points(self) -> np.ndarray:
         if self.zero_points is not None:
@@ -66,7 +71,7 @@ class Blocks:
     def scaled(self, scale) -> "Blocks":
         """The weight times a scalar: ``scale`` (a function of a float32 array) applied to the
         scales and offsets, the one float32 operation per block a float weight gets per value."""
-        return dataclasses.replace(self, scales=scale(self.scales).astype(np.float32),
+        return dataclasses.replace(self, scales=scale(self.scales).astype(np.float32), scale_units=None,
                                    offsets=None if self.offsets is None else scale(self.offsets).astype(np.float32))
 
     def arrays(self, weight: str) -> list[tuple[str, np.ndarray]]:
@@ -147,8 +152,11 @@ def concat_rows(parts: list[Blocks]) -> Blocks:
         zps = np.concatenate([p.float_zero_points() for p in parts])
     if any(p.offsets is not None for p in parts):
         offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
+    units = None
+    if all(p.scale_units is not None for p in parts) and len({p.scale_units[1] for p in parts}) == 1:
+        units = np.concatenate([p.scale_units[0] for p in parts]), parts[0].scale_units[1]
     return Blocks(parts[0].bits, np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
-                  zps, parts[0].block_size, offsets)
+                  zps, parts[0].block_size, offsets, units)
 
 
 def replace_matmuls(model, weights: dict[str, NBitsWeight], accuracy_level: int) -> list[str]:

@@ -9,13 +9,16 @@ What counts is the memory the sessions allocate for themselves:
   blocks): about the stored size once (the decode session; prefill loads lazily), none under
   --low-memory (fp32 only), where the kernels read the mapped file;
 - an fp16 artifact has no CPU kernels: ONNX Runtime inserts casts to fp32 and folds them into
-  fp32 copies of the weights (twice the stored size), which are then packed.
+  fp32 copies of the weights (twice the stored size), which are then packed;
+- block tensors stored in fewer bits than the kernels read (llmx/compact_blocks.py) are rebuilt
+  in memory at load: the bytes that adds, recorded by export, come on top.
 The KV cache and activations of one request come on top (``WORKING_SET``).
 """
 
 from __future__ import annotations
 
 from llmx.artifact.handle import Artifact
+from llmx.compact_blocks import REBUILT
 from llmx import memory_budget
 from llmx.memory_budget import GiB, ResourceError, gib
 
@@ -31,7 +34,8 @@ def load_need(artifact: Artifact, low_memory: bool) -> int:
         factor = 0.0
     else:
         factor = 1.0
-    return int(factor * stored) + WORKING_SET
+    rebuilt = artifact.manifest.extras.get(REBUILT, {}).get("load_bytes", 0)
+    return int(factor * stored + rebuilt) + WORKING_SET
 
 
 def _fp16(artifact: Artifact) -> bool:

@@ -13,12 +13,14 @@ import os
 import numpy as np
 
 from llmx.artifact.handle import Artifact
+from llmx.compact_blocks import REBUILT
 from llmx.errors import ArtifactError, InputError, LlmxError, require
 from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.runtime import huge_pages
 from llmx.runtime.cpu_plan import physical_cores, plan_threads
 from llmx.runtime.kv_cache import KVCache
 from llmx.runtime.load_memory import check_load_fits
+from llmx.runtime.rebuilt_weights import RebuiltWeights
 from llmx.runtime.step_inputs import bind_decode_inputs, prompt_inputs
 
 PROVIDERS = {
@@ -118,6 +120,7 @@ class OrtBackend:
         # None: decided from the cores free now (runtime/cpu_plan.py); the plan is kept for bench/serve to report.
         self.cpu_plan = plan_threads(threads, spin)
         self._ort_provider, self._optimization = PROVIDERS[provider], optimization
+        self._rebuilt = RebuiltWeights()  # block tensors stored small, rebuilt once for both sessions
         # --low-memory's weights stay in the mapped file; packed ones get 2 MiB pages (runtime/huge_pages.py).
         self._huge_pages = huge_pages.enabled() and not low_memory
         for name in ("prefill", "decode"):
@@ -155,12 +158,15 @@ class OrtBackend:
     def _load(self, name: str):
         graph = self.artifact.graph(name)
         # Graphs fresh from `llmx optimize` are fused already and say so (ort_optimization "basic").
-        opts = session_options(self.cpu_plan.threads, self._optimization or graph.ort_optimization or "all",
-                               self.cpu_plan.spin, prepack=not self.low_memory)
+        level = self._optimization or graph.ort_optimization or "all"
+        if level == "none" and REBUILT in self.manifest.extras:
+            level = "basic"  # constant folding rebuilds the block tensors stored small (llmx/compact_blocks.py)
+        opts = session_options(self.cpu_plan.threads, level, self.cpu_plan.spin, prepack=not self.low_memory)
         path = self.artifact.existing_file(graph.file, f"graphs.{name}.file")
         try:
+            model = self._rebuilt.prepare(path, opts) if REBUILT in self.manifest.extras else str(path)
             with huge_pages.backing(self._huge_pages):
-                return _ort().InferenceSession(str(path), opts, providers=[self._ort_provider])
+                return _ort().InferenceSession(model, opts, providers=[self._ort_provider])
         except Exception as exc:
             raise ArtifactError(f"ONNX Runtime cannot load {graph.file}: {str(exc).splitlines()[0]}") from exc
 
