@@ -90,6 +90,27 @@ def add_initializer(model, name: str, array: np.ndarray) -> None:
     model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
 
 
+def untie_weights(model) -> int:
+    """Give every other reader of a MatMul weight (a tied model's lookup, which gathers the head's
+    columns: llmx/fused/embedding.py) its own reference to the stored values, so what the
+    schemes do to the weight (quantize it, scale its rows) leaves the lookup as it was. The copy
+    is a second name on the same external bytes until saved. Returns how many were untied."""
+    inits = initializers(model)
+    weights = {mm.weight for mm in weight_matmuls(model)}
+    copies: dict[str, str] = {}
+    for node in model.graph.node:
+        if node.op_type == "MatMul":
+            continue
+        for i, name in enumerate(node.input):
+            if name in weights:
+                if name not in copies:
+                    copies[name] = f"{name}.lookup"
+                    model.graph.initializer.append(inits[name])
+                    model.graph.initializer[-1].name = copies[name]
+                node.input[i] = copies[name]
+    return len(copies)
+
+
 def drop_unused_initializers(model) -> None:
     used = {name for node in model.graph.node for name in node.input}
     for init in [i for i in model.graph.initializer if i.name not in used]:

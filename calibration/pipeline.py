@@ -18,7 +18,7 @@ from llmx.calibration.activations import ActivationStats, collect_stats, statist
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import Feeds
-from llmx.calibration.matmuls import declare_activation_types, name_nodes
+from llmx.calibration.matmuls import declare_activation_types, name_nodes, untie_weights
 from llmx.calibration.options import CalibrationOptions
 from llmx.calibration.progress import Progress, silent
 from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
@@ -65,12 +65,14 @@ def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progr
 
 
 def prepare_fp32(source: Artifact, out: Path) -> dict[str, Path]:
-    """The source graphs with named nodes and typed MatMul inputs (what the quantizers need)."""
+    """The source graphs with named nodes, typed MatMul inputs and untied weights (what the
+    quantizers need)."""
     out.mkdir()
     models = {name: load_graph(source.graph_path(name)) for name in source.manifest.graphs}
     for model in models.values():
         name_nodes(model)
         declare_activation_types(model)
+        untie_weights(model)
     save_graphs(models, out, sources={name: source.root for name in models})
     return {name: out / f"{name}.onnx" for name in models}
 

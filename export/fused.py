@@ -36,7 +36,8 @@ def export_fused(checkpoint: Checkpoint, tmp: Path, tokenizer: dict, *, all_logi
     quantization = Quantization(BITS[precision], block_size) if precision in BITS else None
     log(f"streaming {spec.family} weights ({spec.num_layers} layers, hidden {spec.hidden_size}) "
         f"from {checkpoint.path} as {precision}" + (f" (blocks of {block_size})" if quantization else ""))
-    weights = stream_weights(spec, checkpoint.tensors(), tmp, quantization, stored=checkpoint.stored_blocks)
+    weights = stream_weights(spec, checkpoint.tensors(), tmp, quantization, stored=checkpoint.stored_blocks,
+                             lookup_from_head=True)
     log("writing fused prefill and decode graphs")
     io = decoder_io(spec, all_logits)
     graphs = {name: build_graph(spec, weights, name, io[name], all_logits) for name in GRAPHS}

@@ -30,7 +30,7 @@ from llmx.export.modules import Decoder
 from llmx.compact_blocks import MARK, Rebuilt, compact_arrays
 from llmx.quant_blocks import Blocks, NBitsWeight, StackedBlocks, quantize_blocks
 from llmx.spec import ModelSpec
-from llmx.weight_names import graph_name
+from llmx.weight_names import graph_name, model_weights
 
 # The weights the fused graphs multiply with a plain MatMul: the ones w8/w4 quantize (the
 # graphs' other weights are lookups, norms, biases and the MoE op's expert tensors).
@@ -63,6 +63,8 @@ class StreamedWeights:
     # nodes rebuilding it), for ``expand_in_graph``; and the bytes they add back when loaded.
     rebuilt: dict[str, tuple[list[onnx.TensorProto], list]] = field(default_factory=dict)
     rebuilt_load_bytes: int = 0
+    # A tied fp32 table is not written: the lookup reads the head's weight (llmx/fused/embedding.py).
+    lookup_from_head: bool = False
     bytes_written: int = 0
 
     def get(self, name: str) -> onnx.TensorProto:
@@ -82,7 +84,8 @@ class StreamedWeights:
 
 def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir: Path,
                    quantization: Quantization | None = None, low_dtype: str | None = None,
-                   stored: Callable[[list[str]], Blocks | None] | None = None) -> StreamedWeights:
+                   stored: Callable[[list[str]], Blocks | None] | None = None,
+                   lookup_from_head: bool = False) -> StreamedWeights:
     """Write every weight of ``spec`` from a checkpoint's ``tensors`` (by HF name, read lazily:
     ``Checkpoint.tensors()``) to ``out_dir``/weights.bin, one at a time.
 
@@ -93,7 +96,8 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
     llmx/low_precision.py rounds a graph's weights (``lowered``), and its fp32 entry in
     ``tensors`` likewise describes it without data. ``stored`` (``Checkpoint.stored_blocks``: a
     GGUF's or a GPTQ/AWQ checkpoint's own blocks, see ``iter_weights``): MatMul weights the source
-    keeps quantized are written as those blocks.
+    keeps quantized are written as those blocks. ``lookup_from_head`` (graphs whose lookup can
+    read the head, llmx/fused/embedding.py): a tied fp32 table is written once, as the head.
     """
     if quantization is not None and low_dtype is not None:
         raise ValueError("weights are either quantized or lowered, not both")
@@ -102,20 +106,36 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
     # The blocks last written and their stored tensors: a tied head made from the same blocks as
     # the (quantized) embedding shares them, as the checkpoint does.
     shared: tuple[Blocks, NBitsWeight] | None = None
+    head_holds_table = lookup_from_head and _head_holds_table(spec, quantization, low_dtype)
     with WeightsFile(out_dir, background=True) as data:
         for role, name, tensor in iter_weights(spec, tensors, stored):
             if isinstance(tensor, (Blocks, StackedBlocks)):
+                if role == "lm_head" and out.lookup_from_head:
+                    raise CheckpointError("internal error: a tied head came as blocks, its table as floats")
                 written = shared[1] if shared is not None and shared[0] is tensor else None
                 shared = tensor, _write_blocks(out, data, role, graph_name(name), tensor, shapes[name], written)
                 del tensor
                 continue
             if tuple(tensor.shape) != shapes[name]:
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {shapes[name]}")
+            if role == "embed" and head_holds_table:
+                out.tensors[graph_name(name)] = _described(graph_name(name), np.empty(0, np.float32), tensor.shape)
+                out.lookup_from_head = True
+                del tensor
+                continue
             _write_weight(out, data, role, graph_name(name), tensor, quantization, low_dtype)
             # Dropped before the generator makes the next weight: an 8B model's embedding (2.1 GB
             # in fp32) would otherwise still be held while its 128256-row head is made.
             del tensor
     return out
+
+
+def _head_holds_table(spec: ModelSpec, quantization: Quantization | None, low_dtype: str | None) -> bool:
+    """Whether a tied model's fp32 head [hidden, vocab] holds the table exactly, transposed: no
+    factor is folded into the head (the embedding's own factor is a multiply after the lookup),
+    and both stay fp32 (a w8/w4 head is no longer the table; a lowered one is rounded)."""
+    return (spec.tie_word_embeddings and "lm_head" in model_weights(spec) and spec.logits_scale == 1.0
+            and quantization is None and low_dtype is None)
 
 
 def _write_weight(out: StreamedWeights, data: WeightsFile, role: str, name: str, tensor: torch.Tensor,

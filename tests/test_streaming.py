@@ -147,6 +147,46 @@ def test_fused_export_is_export_then_optimize(variant, fused, store):
     assert [r.output_ids for r in greedy[0]] == [r.output_ids for r in greedy[1]]
 
 
+def _tables(artifact, graph: str, checkpoint) -> list[onnx.TensorProto]:
+    """The graph's float initializers shaped like the token table, either way round."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    shape = sorted([config["vocab_size"], config.get("hidden_size") or config["n_embd"]])
+    model = onnx.load_model(str(artifact / f"{graph}.onnx"), load_external_data=False)
+    return [t for t in model.graph.initializer if sorted(t.dims) == shape and t.data_type == onnx.TensorProto.FLOAT]
+
+
+@pytest.mark.parametrize("variant,copies", [("llama-tied-llama3rope-bias", 1), ("gemma", 1), ("gpt2", 1),
+                                            ("granite", 2), ("llama", 2)])
+def test_a_tied_fp32_table_is_stored_once_as_the_head(variant, copies, fused, store):
+    """The lookup gathers the tied head's columns (Gemma's sqrt(hidden) multiplied after it), so
+    the largest tensor is written once; exactness against the optimized graphs, which keep two
+    tables, is test_fused_export_is_export_then_optimize's. Granite folds its logit scale into the
+    head, which then no longer holds the table; an untied llama has two."""
+    for graph in GRAPHS:
+        assert len(_tables(fused(variant), graph, store.checkpoint(variant))) == copies, graph
+
+
+@pytest.mark.parametrize("flags", [["--scheme", "w4", "--awq"], ["--scheme", "w8a8", "--smoothquant", "0.8"]])
+def test_calibrating_a_tied_head_leaves_the_lookup_its_values(flags, fused, store, calib_text, tmp_path, capsys):
+    """AWQ and SmoothQuant scale the head's rows and the quantizers replace it: the lookup, which
+    read the same initializer, gets its own (calibration/matmuls.py untie_weights) and keeps the
+    exported values bit for bit."""
+    variant = "llama-tied-llama3rope-bias"
+    source, out = fused(variant), tmp_path / "calibrated"
+    code, _, err = run(["calibrate", str(source), "--data", str(calib_text), *flags, "--no-search",
+                        "--samples", "2", "--seq-len", "32", "--eval-samples", "2", "--threads", "1",
+                        "-o", str(out)], capsys)
+    assert code == 0, err
+    (head,) = _tables(source, "decode", store.checkpoint(variant))
+    exported = numpy_helper.to_array(head, base_dir=str(source))
+    for graph in GRAPHS:
+        model = onnx.load_model(str(out / f"{graph}.onnx"))
+        inits = {t.name: t for t in model.graph.initializer}
+        (lookup,) = [n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids"]
+        np.testing.assert_array_equal(numpy_helper.to_array(inits[lookup.input[0]]), exported)
+        assert not any(n.op_type == "MatMul" and lookup.input[0] in n.input for n in model.graph.node)
+
+
 @pytest.fixture(scope="module")
 def calib_text(tmp_path_factory):
     import argparse

@@ -31,7 +31,7 @@ from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold
 from llmx.spec import ModelSpec
 from llmx.artifact.manifest import GraphSpec
 from llmx.weight_names import graph_name, layer_weights, model_weights
-from llmx.fused.embedding import gather_blocks
+from llmx.fused.embedding import gather_blocks, gather_from_head
 from llmx.fused.graph import MS_DOMAIN, GraphBuilder
 from llmx.fused.moe import check_moe_supported, moe_layer
 from llmx.fused.weights import WeightSource
@@ -90,6 +90,8 @@ def build_graph(spec: ModelSpec, w: WeightSource, kind: str, io: GraphSpec, all_
     names = _names(model_weights(spec))
     if (table := getattr(w, "gathered", {}).get(names["embed"])) is not None:  # a GGUF's quantized table
         x = gather_blocks(g, table, "input_ids")
+    elif getattr(w, "lookup_from_head", False):  # a tied fp32 table, stored once (export/streaming.py)
+        x = gather_from_head(g, g.weight(w.get(names["lm_head"])), "input_ids", spec.embed_scale)
     else:
         x = g.op1("Gather", [g.weight(w.get(names["embed"])), "input_ids"])
     if spec.position == "learned":

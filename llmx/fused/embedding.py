@@ -1,4 +1,7 @@
-"""The embedding lookup of a table kept in MatMulNBits blocks (a GGUF's): gather, then dequantize.
+"""Embedding lookups that read a table stored for the head: MatMulNBits blocks (a GGUF's), or a
+tied model's float head.
+
+Blocks: gather, then dequantize.
 
 A quantized GGUF's token table is 4-8 bits per value; stored as float32 it would be the largest
 tensor of a small model's artifact (SmolLM2-135M: 113 MB beside 98 MB of blocks). Gathering the
@@ -40,3 +43,16 @@ def gather_blocks(g: GraphBuilder, weight: NBitsWeight, ids: str) -> str:
         block_offsets = g.op1("Transpose", [g.op1("Gather", [g.weight(weight.offsets), ids], axis=1)], perm=[1, 2, 0])
         scaled = g.op1("Add", [scaled, g.op1("Unsqueeze", [block_offsets, last])])
     return g.op1("Reshape", [scaled, g.const(np.array([0, 0, -1], np.int64))])
+
+
+def gather_from_head(g: GraphBuilder, head: str, ids: str, scale: float = 1.0) -> str:
+    """[batch, seq, k] rows of a tied model's table, read from the head's [k, n] float weight.
+
+    A tied fp32 table stored once for the lookup and again transposed for the head's MatMul
+    would be a second copy of the largest tensor (SmolLM2-135M: 113 MB of 540; Qwen3-4B: 1.6 GB):
+    the lookup gathers the head's columns instead. ``scale``: the embedding's factor (Gemma's
+    sqrt(hidden)), one float32 multiply as the reference does it after its lookup.
+    """
+    columns = g.op1("Gather", [head, ids], axis=1)  # [k, batch, seq]
+    rows = g.op1("Transpose", [columns], perm=[1, 2, 0])
+    return rows if scale == 1.0 else g.op1("Mul", [rows, g.const(np.array(scale, np.float32))])
