@@ -360,7 +360,7 @@ def widen(blocks: Blocks, bits: int, block_size: int) -> Blocks:
     if zp is not None and zp.dtype == np.int16:  # uint8 zero points, packed like the codes
         zp = zp.astype(np.uint8) if bits == 8 else pack_codes(np.pad(zp, ((0, 0), (0, zp.shape[1] % 2)))[:, None], 4)[:, 0]
     units = None if blocks.scale_units is None else (blocks.scale_units[0], blocks.scale_units[1] * split)
-    return Blocks(bits, pack_codes(q, bits), scales, zp, block_size, scale_units=units)
+    return Blocks(bits, pack_codes(q, bits), scales, zp, block_size, scale_units=units, input_order=blocks.input_order)
 
 
 def widest(parts: list[Blocks]) -> tuple[int, int]:

@@ -42,9 +42,11 @@ per-channel scale (GPTQ group_size -1, compressed-tensors "channel") blocks of 1
 repeated, exactly. GPTQ's ``desc_act`` (and compressed-tensors' ``actorder: group``) may permute
 ``g_idx``: where its groups are still whole runs of blocks (static groups, or groups permuted as
 wholes) the blocks just take each run's group; where a group's channels are scattered (act-order
-proper), no MatMulNBits layout holds them without reordering the activations, which the graphs do
-not do: that is refused with one line naming the weight and ``--precision fp32``, which exports
-the exactly dequantized float weights instead.
+proper), the input channels are sorted by group, which makes every group a run of whole blocks,
+and the graph gathers x in that order before the MatMulNBits (``Blocks.input_order``: K values
+per row, nothing beside the weight's own bytes). Only groups that are not whole blocks even then
+(a group size that is no multiple of 16) are refused, with one line naming the weight and
+``--precision fp32``, which exports the exactly dequantized float weights instead.
 
 Zero points are the kernel's default (2^(bits - 1), GPTQ's and compressed-tensors' symmetric
 weights) or packed uint8 (AWQ, asymmetric GPTQ/compressed-tensors): both fast in ONNX Runtime's CPU
@@ -83,6 +85,7 @@ class QuantLinear:
     scales: np.ndarray  # [N, G] float32 (the file's fp16/bf16/fp32, widened exactly)
     zeros: np.ndarray | None  # [N, G] uint8 unsigned; None: 2^(bits - 1)
     g_idx: np.ndarray  # [K] int64, input channel -> group
+    input_order: np.ndarray | None = None  # [K]: the input channel each column reads (``in_group_order``)
 
     def __post_init__(self):
         n, k = self.codes.shape
@@ -109,6 +112,17 @@ class QuantLinear:
         diff *= self.scales[:, self.g_idx]
         return diff
 
+    def in_group_order(self) -> "QuantLinear":
+        """The same linear with its input channels sorted by group (stably), which makes act-order's
+        scattered groups contiguous; itself if they are in order already."""
+        import dataclasses
+
+        order = np.argsort(self.g_idx, kind="stable")
+        if np.array_equal(order, np.arange(len(order))):
+            return self
+        return dataclasses.replace(self, codes=np.ascontiguousarray(self.codes[:, order]), g_idx=self.g_idx[order],
+                                   input_order=order)
+
     def block_size(self) -> int | None:
         """The largest block size (a power of two, 16..MAX_BLOCK) dividing K whose runs of input
         channels each lie in one group; None if there is none (scattered act-order groups)."""
@@ -134,7 +148,7 @@ class QuantLinear:
             z = self.zero_points()[:, first]
             if zero_points or np.any(z != DEFAULT_ZERO_POINT[self.bits]):
                 zeros = _packed_zero_points(z, self.bits)
-        return Blocks(self.bits, packed, scales, zeros, block_size)
+        return Blocks(self.bits, packed, scales, zeros, block_size, input_order=self.input_order)
 
 
 def _packed_zero_points(z: np.ndarray, bits: int) -> np.ndarray:
@@ -443,9 +457,11 @@ class PrequantizedTensors(Mapping):
             return self._last[1]
         if not all(self.quantized(n) for n in hf_names):
             return None
-        linears = [self.linear(n) for n in hf_names]
+        linears = [_in_blocks(self.linear(n)) for n in hf_names]
         runs = []
-        for bits, run in itertools.groupby(linears, lambda q: q.bits):
+        # Parts share a MatMulNBits when they have the bits and the order of inputs in common
+        # (GPTQ's act-order derives it from the input's statistics: the same for q, k and v).
+        for (bits, _), run in itertools.groupby(linears, lambda q: (q.bits, _order_key(q))):
             run = list(run)
             size = min(_block_size(q) for q in run)
             # Stacked parts share one zero-point input: all write theirs if any has others than the default.
@@ -458,6 +474,18 @@ class PrequantizedTensors(Mapping):
         return blocks
 
 
+def _in_blocks(q: QuantLinear) -> QuantLinear:
+    """``q``, or ``q`` with its inputs sorted by group where only that makes its groups whole blocks."""
+    if q.block_size() is not None:
+        return q
+    ordered = q.in_group_order()
+    return ordered if ordered.block_size() is not None else q
+
+
+def _order_key(q: QuantLinear) -> bytes | None:
+    return None if q.input_order is None else q.input_order.tobytes()
+
+
 def _block_size(q: QuantLinear) -> int:
     size = q.block_size()
     if size is not None:
@@ -466,9 +494,9 @@ def _block_size(q: QuantLinear) -> int:
     if k % BLOCK_SIZES[-1]:
         raise CheckpointError(f"{q.name}: {k} inputs are not a multiple of {BLOCK_SIZES[-1]}, the smallest "
                               "MatMulNBits block; export with --precision fp32 to dequantize it")
-    raise CheckpointError(f"{q.name}: its quantization groups are scattered over the inputs (GPTQ desc_act / "
-                          "act-order g_idx), which MatMulNBits cannot hold without reordering the activations; "
-                          "export with --precision fp32 to dequantize it")
+    raise CheckpointError(f"{q.name}: its quantization groups (g_idx) are not runs of 16 or more inputs, the "
+                          "smallest MatMulNBits block, even sorted by group; export with --precision fp32 to "
+                          "dequantize it")
 
 
 def prequantized_checkpoint(checkpoint):

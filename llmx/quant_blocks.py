@@ -52,6 +52,10 @@ class Blocks:
     # super-block of ``group`` blocks times a small integer per block, stored as such
     # (llmx/compact_blocks.py). Only a hint: whatever changes the scales drops it.
     scale_units: tuple[np.ndarray, int] | None = None
+    # [K] int64: the input channel each of the K positions of the blocks reads (GPTQ desc_act,
+    # whose groups are scattered over the inputs: sorted by group, they are whole blocks); the
+    # graph gathers x in this order first. None: in order.
+    input_order: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -61,7 +65,8 @@ class Blocks:
         zp = None if self.zero_points is None else self.zero_points[order]
         offsets = None if self.offsets is None else self.offsets[order]
         units = None if self.scale_units is None else (self.scale_units[0][order], self.scale_units[1])
-        return Blocks(self.bits, self.packed[order], self.scales[order], zp, self.block_size, offsets, units)
+        return Blocks(self.bits, self.packed[order], self.scales[order], zp, self.block_size, offsets, units,
+                      self.input_order)
 
     def float_zero_points(self) -> np.ndarray:
         if self.zero_points is not None:
@@ -82,6 +87,8 @@ class Blocks:
             arrays.append((f"{weight}_zero_points", self.zero_points))
         if self.offsets is not None:
             arrays.append((f"{weight}_offsets", np.ascontiguousarray(self.offsets.T)))
+        if self.input_order is not None:
+            arrays.append((f"{weight}_input_order", self.input_order.astype(np.int64)))
         return arrays
 
     def initializers(self, weight: str, k: int | None = None) -> "NBitsWeight":
@@ -117,12 +124,15 @@ class NBitsWeight:
     tensors: list  # onnx.TensorProto: packed blocks, scales (, zero points)
     offsets: Any = None  # onnx.TensorProto [K / block_size, N]: Blocks.offsets, added beside MatMulNBits
     parts: list["NBitsWeight"] | None = None  # StackedBlocks: one MatMulNBits per part, concatenated
+    input_order: Any = None  # onnx.TensorProto [K] int64: Blocks.input_order, x gathered by it first
 
     @classmethod
     def of(cls, blocks: Blocks, k: int, tensors: list) -> "NBitsWeight":
         """``tensors``: the stored ``blocks.arrays()``, in that order."""
-        offsets = tensors[-1] if blocks.offsets is not None else None
-        return cls(blocks.bits, blocks.block_size, k, blocks.n, tensors[:-1] if offsets is not None else tensors, offsets)
+        tensors = list(tensors)
+        order = tensors.pop() if blocks.input_order is not None else None
+        offsets = tensors.pop() if blocks.offsets is not None else None
+        return cls(blocks.bits, blocks.block_size, k, blocks.n, tensors, offsets, input_order=order)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -147,6 +157,9 @@ def concat_rows(parts: list[Blocks]) -> Blocks:
     """Stack weights of one layout along the output axis (llmx's fused qkv and gate|up matmuls)."""
     if len(parts) == 1:
         return parts[0]
+    orders = [p.input_order for p in parts]
+    if any(o is not None for o in orders) and not all(o is not None and np.array_equal(o, orders[0]) for o in orders):
+        raise ValueError("blocks reading their inputs in different orders cannot share one MatMulNBits")
     zps = offsets = None
     if any(p.zero_points is not None for p in parts):
         zps = np.concatenate([p.float_zero_points() for p in parts])
@@ -156,7 +169,7 @@ def concat_rows(parts: list[Blocks]) -> Blocks:
     if all(p.scale_units is not None for p in parts) and len({p.scale_units[1] for p in parts}) == 1:
         units = np.concatenate([p.scale_units[0] for p in parts]), parts[0].scale_units[1]
     return Blocks(parts[0].bits, np.concatenate([p.packed for p in parts]), np.concatenate([p.scales for p in parts]),
-                  zps, parts[0].block_size, offsets, units)
+                  zps, parts[0].block_size, offsets, units, orders[0])
 
 
 def replace_matmuls(model, weights: dict[str, NBitsWeight], accuracy_level: int) -> list[str]:
@@ -204,6 +217,10 @@ def _nbits_nodes(x: str, y: str, w: NBitsWeight, name: str, accuracy_level: int,
         nodes = [n for j, (part, out) in enumerate(zip(w.parts, outputs))
                  for n in _nbits_nodes(x, out, part, f"{name}_part{j}", accuracy_level, add)]
         return [*nodes, helper.make_node("Concat", outputs, [y], name=f"{name}_concat", axis=-1)]
+    if w.input_order is not None:  # the blocks' order of the inputs (Blocks.input_order)
+        ordered = f"{name}_x_ordered"
+        nodes = [helper.make_node("Gather", [x, add(w.input_order)], [ordered], name=f"{name}_input_order", axis=-1)]
+        return nodes + _nbits_nodes(ordered, y, dataclasses.replace(w, input_order=None), name, accuracy_level, add)
     attrs = dict(K=w.k, N=w.n, bits=w.bits, block_size=w.block_size)
     if accuracy_level:  # the quantizer leaves the optional attribute out at 0
         attrs["accuracy_level"] = accuracy_level

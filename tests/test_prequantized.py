@@ -8,9 +8,11 @@ named at each packer); export/prequantized.py reads them.
     Llama holding those dequantized weights to 1e-4 of the logit scale, far closer than the
     quantization error; a compressed-tensors checkpoint is also loaded by transformers itself (the
     ``compressed-tensors`` package, a test dependency, decompresses it on CPU). transformers loads
-    GPTQ and AWQ only through gptqmodel (+ optimum for GPTQ), which the test install does not have.
+    GPTQ and AWQ only through gptqmodel (+ optimum for GPTQ), which the test install does not have:
+    benchmarks/prequantized_parity.py checks against them, on checkpoints gptqmodel writes.
 (3) GPTQ's act-order: groups permuted as whole blocks keep their blocks, scattered ones are
-    refused for blocks in one line and read as floats. Unsupported methods are refused in one line.
+    sorted into blocks (x gathered to match); groups smaller than a block are refused for blocks
+    in one line and read as floats. Unsupported methods are refused in one line.
 """
 
 from __future__ import annotations
@@ -480,7 +482,39 @@ def _with_g_idx(path: Path, original: Path, names: list[str], g_idx: np.ndarray)
     return path
 
 
-def test_gptq_act_order_scattered_groups_are_refused_for_blocks_and_read_as_floats(store, tmp_path):
+def test_gptq_act_order_scattered_groups_are_sorted_into_blocks_and_x_gathered_to_match(store, tmp_path):
+    """act-order proper: q's two groups of 32 are scattered over its 64 inputs (k and v in order).
+    Sorted by group they are whole blocks; the graph gathers x in that order before q's
+    MatMulNBits: the blocks hold the format's values, and the logits are transformers' with them."""
+    from llmx.export import export_checkpoint
+    from llmx.export.checkpoint import open_checkpoint
+    from llmx.export.gguf_blocks import dequantize
+    from llmx.export.prequantized import prequantized_checkpoint
+    from llmx.quant_blocks import StackedBlocks
+
+    options = dict(bits=4, group_size=32, sym=True, checkpoint_format="gptq", desc_act=True)
+    g_idx = np.argsort(np.random.default_rng(0).permutation(64)) // 32  # act-order: each group's inputs scattered
+    path = _with_g_idx(write_prequantized(store.checkpoint("llama"), tmp_path / "q", "gptq", options),
+                       store.checkpoint("llama"), [QKV[0]], g_idx)
+    reference = reference_weights(path, "gptq", options)
+    blocks = prequantized_checkpoint(open_checkpoint(path)).stored_blocks(QKV)
+    assert isinstance(blocks, StackedBlocks) and [p.input_order is not None for p in blocks.parts] == [True, False]
+    q = blocks.parts[0]
+    assert q.block_size == 32 and sorted(q.input_order) == list(range(64))
+    np.testing.assert_array_equal(dequantize(q)[:, np.argsort(q.input_order)], reference[QKV[0]])
+
+    artifact = tmp_path / "art"
+    export_checkpoint(path, artifact, graphs="fused")
+    model, _ = _exact_kernels(artifact)
+    assert sum(n.op_type == "Gather" and n.name.endswith("_input_order") for n in model.graph.node) == 1
+    ids = prompt_ids(artifact)
+    ours = prefill_logits(session(artifact, model=model), ids)
+    expected = _transformers_logits(store.checkpoint("llama"), ids, reference)
+    assert np.abs(ours - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+def test_gptq_groups_smaller_than_a_block_are_refused_for_blocks_and_read_as_floats(store, tmp_path):
+    """Groups of 8 inputs, scattered: no sorting makes them MatMulNBits blocks (16 at least)."""
     from llmx.errors import CheckpointError
     from llmx.export import export_checkpoint
     from llmx.export.checkpoint import open_checkpoint
@@ -488,15 +522,15 @@ def test_gptq_act_order_scattered_groups_are_refused_for_blocks_and_read_as_floa
 
     options = dict(bits=4, group_size=32, sym=True, checkpoint_format="gptq", desc_act=True)
     name = QKV[0]
-    g_idx = np.argsort(np.random.default_rng(0).permutation(64)) // 32  # act-order: each group's inputs scattered
+    g_idx = np.argsort(np.random.default_rng(0).permutation(64)) // 8
     path = _with_g_idx(write_prequantized(store.checkpoint("llama"), tmp_path / "q", "gptq", options),
                        store.checkpoint("llama"), [name], g_idx)
     checkpoint = prequantized_checkpoint(open_checkpoint(path))
     with pytest.raises(CheckpointError) as error:
         checkpoint.stored_blocks(QKV)
     message = str(error.value)
-    assert "\n" not in message and name in message and "desc_act" in message and "--precision fp32" in message
-    with pytest.raises(CheckpointError, match="desc_act"):
+    assert "\n" not in message and name in message and "g_idx" in message and "--precision fp32" in message
+    with pytest.raises(CheckpointError, match="g_idx"):
         export_checkpoint(path, tmp_path / "art", graphs="fused")
     assert not (tmp_path / "art").exists()
     # Read as floats (--precision fp32, portable, --verify): exactly the format's values.
