@@ -38,7 +38,11 @@ class RebuiltWeights:
         model = onnx.load_model(str(path), load_external_data=False)
         types = rebuilt_tensors(model)
         names = list(types)
-        if not names:
+        # ONNX Runtime checks that an initializer's file exists, even one add_initializer replaces:
+        # the placeholders name the graph's weights file. A graph with none (all inline) is left
+        # to ONNX Runtime's folding, which gives the same values.
+        location = next((e.value for i in model.graph.initializer for e in i.external_data if e.key == "location"), None)
+        if not names or location is None:
             return str(path)
         producers = _producers(model, names)
         missing = [n for n in names if n not in self.arrays]
@@ -51,8 +55,6 @@ class RebuiltWeights:
         used = {i for node in kept for i in node.input}
         for init in [i for i in model.graph.initializer if i.name not in used]:
             model.graph.initializer.remove(init)  # the stored parts: only the rebuild read them
-        # ONNX Runtime checks that an initializer's file exists, even one add_initializer replaces.
-        location = next(e.value for i in model.graph.initializer for e in i.external_data if e.key == "location")
         for name in names:
             model.graph.initializer.append(_placeholder(onnx, name, self.arrays[name], location))
             opts.add_initializer(name, self._values[name])

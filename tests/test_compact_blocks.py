@@ -71,3 +71,32 @@ def test_scaling_blocks_drops_the_units_hint():
     blocks = _blocks(np.zeros((2, 8, 32), np.uint8), np.ones((2, 8), np.float32), (units, 8))
     assert blocks.scaled(lambda s: s * 3).scale_units is None
     assert blocks.rows(np.array([1, 0])).scale_units[1] == 8
+
+
+def test_a_graph_with_its_weights_inline_is_left_to_onnx_runtimes_folding(tmp_path):
+    """The runtime's own rebuild names the graph's weights file in its placeholders; a graph whose
+    tensors are all inline has none, and loads as it is (ONNX Runtime folds the same values)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from llmx.compact_blocks import MARK, expand_in_graph
+    from llmx.runtime.rebuilt_weights import RebuiltWeights
+
+    codes = np.random.default_rng(0).integers(112, 144, (8, 2, 32), dtype=np.uint8)
+    item = _by_name(compact_arrays(_blocks(codes, np.ones((8, 2), np.float32)), "w"))["w_Q8"]
+    placeholder = numpy_helper.from_array(np.empty(0, np.uint8), item.name)
+    del placeholder.dims[:]
+    placeholder.dims.extend(item.shape)
+    placeholder.doc_string = MARK
+    out = helper.make_tensor_value_info("out", onnx.TensorProto.UINT8, None)
+    graph = helper.make_graph([helper.make_node("Identity", [item.name], ["out"])], "g", [], [out], [placeholder])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    stored = [numpy_helper.from_array(values, name) for name, values in item.stored]
+    assert expand_in_graph(model, {item.name: (stored, item.nodes)}) == 1
+    path = tmp_path / "inline.onnx"
+    onnx.save_model(model, str(path))
+    opts = ort.SessionOptions()
+    assert RebuiltWeights().prepare(path, opts) == str(path)
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {})[0], codes)
