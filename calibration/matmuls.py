@@ -73,13 +73,19 @@ def read_array(init, base_dir: Path) -> np.ndarray:
     return numpy_helper.to_array(init, base_dir=str(base_dir))
 
 
-def replace_initializer(model, name: str, array: np.ndarray) -> None:
+# The doc string of a weight whose rows a scheme rescaled (SmoothQuant, AWQ): it no longer holds
+# a tied table its lookup could share (calibration/weight_only.py lookups_from_blocks).
+RESCALED = "llmx: rows rescaled"
+
+
+def replace_initializer(model, name: str, array: np.ndarray, doc: str = "") -> None:
     """Swap an initializer's content (same name, dtype and shape), stored inline until saved."""
     from onnx import numpy_helper
 
     for i, init in enumerate(model.graph.initializer):
         if init.name == name:
             model.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), name))
+            model.graph.initializer[i].doc_string = doc
             return
     raise KeyError(name)
 

@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from llmx.calibration.matmuls import (
+    RESCALED,
     add_initializer,
     consumers,
     drop_unused_initializers,
@@ -132,7 +133,7 @@ def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray]) -> dic
         if s is None:
             continue
         for w in group.weights:
-            replace_initializer(model, w, read_array(inits[w], base_dir) * s[:, None])
+            replace_initializer(model, w, read_array(inits[w], base_dir) * s[:, None], RESCALED)
         group_nodes = {id(n) for n in users.get(group.activation, []) if n.op_type == "MatMul"}
         only_these = all(id(n) in group_nodes for n in users.get(group.activation, []))
         producer = makers.get(group.activation)

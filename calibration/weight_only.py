@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from llmx.calibration.matmuls import name_nodes, weight_matmuls
+from llmx.calibration.matmuls import RESCALED, name_nodes, weight_matmuls
 from llmx.calibration.quiet import quiet_logging
 from llmx.quant_blocks import BITS, CPU_ACCURACY_LEVEL, check_block_size  # noqa: F401 (this stage's names for them)
 
@@ -37,8 +37,54 @@ def quantize_weights(model, scheme: str, block_size: int, symmetric: bool, fallb
     matmuls = [mm for mm in weight_matmuls(model) if mm.weight not in skip]
     held = [mm.node.name for mm in matmuls if mm.weight in fallback]
     rest = [mm.node.name for mm in matmuls if mm.weight not in fallback]
+    rescaled = {i.name for i in model.graph.initializer if i.doc_string == RESCALED}
     model = _nbits(model, 8, held, block_size, symmetric)
-    return _nbits(model, BITS[scheme], rest, block_size, symmetric)
+    model = _nbits(model, BITS[scheme], rest, block_size, symmetric)
+    if symmetric:
+        lookups_from_blocks(model, rescaled)
+    return model
+
+
+def lookups_from_blocks(model, rescaled: Collection[str] = ()) -> int:
+    """A tied model's lookup (``Gather(axis=1)`` of the head's columns and a Transpose,
+    llmx/fused/embedding.py; its own copy since calibration/matmuls.py ``untie_weights``) reads
+    the head's MatMulNBits blocks instead, as a streamed w8/w4 export's does: the fp32 table is
+    most of a small model's w4 artifact (SmolLM2-135M: 113 of 250 MB), and llama.cpp and
+    onnxruntime-genai quantize a tied table with the head too. Only symmetric blocks (the lookup
+    dequantizes with the default zero point), and not a head ``rescaled`` (SmoothQuant, AWQ: its
+    rows are no longer the table's). Returns how many."""
+    from llmx.calibration.matmuls import consumers, drop_unused_initializers, initializers
+    from llmx.fused.embedding import gather_blocks
+    from llmx.fused.graph import GraphBuilder
+    from llmx.quant_blocks import NBitsWeight
+
+    inits, users = initializers(model), consumers(model)
+    blocks = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) == 3}
+    done = 0
+    for node in list(model.graph.node):
+        table = node.input[0] if node.op_type == "Gather" else ""
+        attrs = {a.name: a.i for a in node.attribute}
+        head = table.removesuffix(".lookup")
+        nbits = blocks.get(f"{head}_Q8") or blocks.get(f"{head}_Q4")
+        after = users.get(node.output[0], [])
+        if not table.endswith(".lookup") or head in rescaled or attrs.get("axis") != 1 or nbits is None or len(after) != 1 \
+                or after[0].op_type != "Transpose":
+            continue
+        a = {x.name: x for x in nbits.attribute}
+        weight = NBitsWeight(a["bits"].i, a["block_size"].i, a["K"].i, a["N"].i, [inits[nbits.input[1]], inits[nbits.input[2]]])
+        g = GraphBuilder("lookup", prefix=f"{head}.lookup/")
+        rows = gather_blocks(g, weight, node.input[1])
+        g.op("Identity", [rows], [after[0].output[0]])
+        at = list(model.graph.node).index(node)
+        for old in (node, after[0]):
+            model.graph.node.remove(old)
+        for i, new in enumerate(g.nodes):
+            model.graph.node.insert(at + i, new)
+        model.graph.initializer.extend(t for name, t in g.initializers.items() if name not in inits)
+        done += 1
+    if done:
+        drop_unused_initializers(model)  # the lookup's fp32 copy
+    return done
 
 
 def _nbits(model, bits: int, nodes: list[str], block_size: int, symmetric: bool):

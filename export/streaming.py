@@ -63,7 +63,8 @@ class StreamedWeights:
     # nodes rebuilding it), for ``expand_in_graph``; and the bytes they add back when loaded.
     rebuilt: dict[str, tuple[list[onnx.TensorProto], list]] = field(default_factory=dict)
     rebuilt_load_bytes: int = 0
-    # A tied fp32 table is not written: the lookup reads the head's weight (llmx/fused/embedding.py).
+    # A tied table is not written: the lookup reads the head's weight, fp32 or its blocks
+    # (``gathered``), and multiplies by the embedding's factor (llmx/fused/embedding.py).
     lookup_from_head: bool = False
     bytes_written: int = 0
 
@@ -97,7 +98,8 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
     ``tensors`` likewise describes it without data. ``stored`` (``Checkpoint.stored_blocks``: a
     GGUF's or a GPTQ/AWQ checkpoint's own blocks, see ``iter_weights``): MatMul weights the source
     keeps quantized are written as those blocks. ``lookup_from_head`` (graphs whose lookup can
-    read the head, llmx/fused/embedding.py): a tied fp32 table is written once, as the head.
+    read the head, llmx/fused/embedding.py): a tied table is written once, as the head (fp32, or
+    the head's w8/w4 blocks, which the lookup then dequantizes as the GGUF path does).
     """
     if quantization is not None and low_dtype is not None:
         raise ValueError("weights are either quantized or lowered, not both")
@@ -119,11 +121,14 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
             if tuple(tensor.shape) != shapes[name]:
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {shapes[name]}")
             if role == "embed" and head_holds_table:
-                out.tensors[graph_name(name)] = _described(graph_name(name), np.empty(0, np.float32), tensor.shape)
+                table = graph_name(name)
+                out.tensors[table] = _described(table, np.empty(0, np.float32), tensor.shape)
                 out.lookup_from_head = True
                 del tensor
                 continue
             _write_weight(out, data, role, graph_name(name), tensor, quantization, low_dtype)
+            if role == "lm_head" and out.lookup_from_head and graph_name(name) in out.quantized:
+                out.gathered[table] = out.quantized[graph_name(name)]
             # Dropped before the generator makes the next weight: an 8B model's embedding (2.1 GB
             # in fp32) would otherwise still be held while its 128256-row head is made.
             del tensor
@@ -131,11 +136,12 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
 
 
 def _head_holds_table(spec: ModelSpec, quantization: Quantization | None, low_dtype: str | None) -> bool:
-    """Whether a tied model's fp32 head [hidden, vocab] holds the table exactly, transposed: no
-    factor is folded into the head (the embedding's own factor is a multiply after the lookup),
-    and both stay fp32 (a w8/w4 head is no longer the table; a lowered one is rounded)."""
+    """Whether a tied model's head [hidden, vocab] holds the table, transposed: no factor is folded
+    into the head (the embedding's own factor is a multiply after the lookup). A w8/w4 head holds
+    it in symmetric blocks, which the lookup dequantizes (llama.cpp and onnxruntime-genai quantize
+    a tied table with the head too); portable graphs in fp16/bf16 keep their own table."""
     return (spec.tie_word_embeddings and "lm_head" in model_weights(spec) and spec.logits_scale == 1.0
-            and quantization is None and low_dtype is None)
+            and (quantization is None or quantization.symmetric) and low_dtype is None)
 
 
 def _write_weight(out: StreamedWeights, data: WeightsFile, role: str, name: str, tensor: torch.Tensor,

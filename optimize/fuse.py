@@ -20,6 +20,7 @@ from llmx.errors import ArtifactError, InputError
 from llmx.spec import ModelSpec
 from llmx.fused.decoder import ACTIVATIONS, build_graph, check_supported
 from llmx.optimize.weights import SourceWeights
+from llmx.weight_names import graph_name, model_weights
 
 GRAPHS = ("prefill", "decode")
 FUSIONS = [
@@ -63,6 +64,10 @@ def optimize_artifact(src: str | Path | Artifact, out: str | Path, *, force: boo
     all_logits = manifest.graphs["prefill"].outputs[0].shape[1] != 1
     log(f"building fused graphs for {spec.family} ({spec.num_layers} layers, {spec.activation}, {spec.norm} norm)")
     weights = SourceWeights(src.root, manifest.graphs["decode"].file)
+    # A tied table, which the portable graphs hold twice (the lookup's and the head's), once.
+    names = {role: graph_name(name) for role, name in model_weights(spec).items()}
+    weights.lookup_from_head = spec.tie_word_embeddings and spec.logits_scale == 1.0 and "lm_head" in names \
+        and weights.head_holds_table(names["embed"], names["lm_head"], spec.embed_scale)
     graphs = {name: build_graph(spec, weights, name, manifest.graphs[name], all_logits) for name in GRAPHS}
     with staged_artifact(out, overwrite=force) as tmp:
         save_graphs(graphs, tmp, sources={name: src.root for name in GRAPHS})

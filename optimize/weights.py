@@ -46,6 +46,28 @@ class SourceWeights:
         """The weight ``name``'s values (read from the artifact's external data when stored there)."""
         return numpy_helper.to_array(self.get(name), base_dir=str(self.artifact))
 
+    def _mapped(self, name: str) -> "np.ndarray":
+        """2-D float32 weight ``name``, memory-mapped from external data: indexing reads what it takes."""
+        tensor = self.get(name)
+        if tensor.data_location != onnx.TensorProto.EXTERNAL or tensor.data_type != onnx.TensorProto.FLOAT:
+            return self.array(name)
+        info = {e.key: e.value for e in tensor.external_data}
+        return np.memmap(self.artifact / info["location"], np.float32, "r", int(info.get("offset", 0)), tuple(tensor.dims))
+
+    def head_holds_table(self, table: str, head: str, scale: float, samples: int = 64) -> bool:
+        """Whether the [hidden, vocab] ``head`` is the [vocab, hidden] ``table`` transposed, the
+        table times ``scale`` (the embedding's factor, folded into it at export): checked exactly
+        on ``samples`` rows spread over the vocabulary, read alone (a 4B model's table is 1.6 GB)."""
+        if not (self.has(table) and self.has(head)):
+            return False
+        a, b = self.get(table), self.get(head)
+        if len(a.dims) != 2 or list(a.dims) != list(b.dims)[::-1] or a.data_type != b.data_type:
+            return False
+        index = np.unique(np.linspace(0, a.dims[0] - 1, samples).astype(np.int64))
+        columns = np.array(self._mapped(head)[:, index]).T
+        expected = columns if scale == 1.0 else columns * np.float32(scale)
+        return np.array_equal(np.array(self._mapped(table)[index]), expected)
+
     def _matmul_of(self, weight: str) -> onnx.NodeProto:
         node = next((n for n in self.consumers.get(weight, []) if n.op_type == "MatMul" and n.input[1] == weight), None)
         if node is None:

@@ -49,3 +49,30 @@ def test_gathered_rows_are_the_blocks_values(bits, zero_points):
     ids = np.array([[3, 0, 6], [1, 1, 5]])
     rows = sess.run(["rows"], {"input_ids": ids})[0]
     np.testing.assert_array_equal(rows, _values(blocks)[ids])
+
+
+def test_a_padded_last_block_is_cut_to_the_rows_width():
+    """A head of K = 48 inputs in blocks of 32 (ONNX Runtime's quantizer pads the last block with
+    zeros, as K = 576 in blocks of 128): the looked-up rows are the K values, not the padding."""
+    import onnxruntime as ort
+
+    from llmx.fused.embedding import gather_blocks
+    from llmx.fused.graph import GraphBuilder
+    from llmx.quant_blocks import quantize_blocks
+
+    table = np.random.default_rng(3).standard_normal((7, 48)).astype(np.float32)
+    blocks = quantize_blocks(np.ascontiguousarray(table.T), 8, 32, symmetric=True)  # a [K, N] head
+    assert blocks.packed.shape[1] * 32 == 64
+    g = GraphBuilder("embed")
+    g.input("input_ids", "int64", ["batch", "sequence"])
+    g.output("rows", "float32", ["batch", "sequence", 48])
+    weight = blocks.initializers("table", k=48)
+    for tensor in weight.tensors:
+        g.weight(tensor)
+    g.op("Identity", [gather_blocks(g, weight, "input_ids")], ["rows"])
+    sess = ort.InferenceSession(g.model().SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([[3, 0, 6]])
+    rows = sess.run(["rows"], {"input_ids": ids})[0]
+    assert rows.shape == (1, 3, 48)
+    np.testing.assert_array_equal(rows, _values(blocks)[:, :48][ids])
+    np.testing.assert_allclose(rows, table[ids], atol=np.abs(table).max() / 127)

@@ -162,15 +162,34 @@ def test_a_tied_fp32_table_is_stored_once_as_the_head(variant, copies, fused, st
     the largest tensor is written once; exactness against the optimized graphs, which keep two
     tables, is test_fused_export_is_export_then_optimize's. Granite folds its logit scale into the
     head, which then no longer holds the table; an untied llama has two."""
-    for graph in GRAPHS:
-        assert len(_tables(fused(variant), graph, store.checkpoint(variant))) == copies, graph
+    for artifact in (fused(variant), store.optimized(variant)):  # `llmx optimize` checks rows, then shares too
+        for graph in GRAPHS:
+            assert len(_tables(artifact, graph, store.checkpoint(variant))) == copies, (artifact, graph)
+
+
+def test_optimize_keeps_a_table_that_is_not_the_head(store, tmp_path):
+    """`llmx optimize` shares a tied table only where the portable artifact's two copies agree (exactly,
+    on rows spread over the vocabulary): one changed row keeps both."""
+    from llmx.optimize.fuse import optimize_artifact
+
+    variant = "llama-tied-llama3rope-bias"
+    portable = tmp_path / "portable"
+    shutil.copytree(store.artifact(variant), portable)
+    (table,) = [t for t in _tables(portable, "decode", store.checkpoint(variant)) if t.dims[0] > t.dims[1]]
+    info = {e.key: e.value for e in table.external_data}
+    values = np.memmap(portable / info["location"], np.float32, "r+", int(info["offset"]), tuple(table.dims))
+    values[0] += 1.0
+    values.flush()
+    del values
+    optimize_artifact(portable, tmp_path / "opt")
+    assert len(_tables(tmp_path / "opt", "decode", store.checkpoint(variant))) == 2
 
 
 @pytest.mark.parametrize("flags", [["--scheme", "w4", "--awq"], ["--scheme", "w8a8", "--smoothquant", "0.8"]])
 def test_calibrating_a_tied_head_leaves_the_lookup_its_values(flags, fused, store, calib_text, tmp_path, capsys):
     """AWQ and SmoothQuant scale the head's rows and the quantizers replace it: the lookup, which
     read the same initializer, gets its own (calibration/matmuls.py untie_weights) and keeps the
-    exported values bit for bit."""
+    exported values bit for bit (not the rescaled head's blocks)."""
     variant = "llama-tied-llama3rope-bias"
     source, out = fused(variant), tmp_path / "calibrated"
     code, _, err = run(["calibrate", str(source), "--data", str(calib_text), *flags, "--no-search",
@@ -203,15 +222,19 @@ def _initializers(artifact, graph: str) -> dict[str, np.ndarray]:
 
 
 def _nodes(artifact, graph: str) -> list[tuple]:
+    """The MatMulNBits nodes by what they read and do (activation and node names are the
+    builder's: a lookup from blocks adds nodes before them)."""
     model = onnx.load_model(str(artifact / f"{graph}.onnx"), load_external_data=False)
-    return [(n.op_type, n.name, list(n.input), list(n.output), [onnx.helper.get_attribute_value(a) for a in n.attribute])
+    return [(n.op_type, list(n.input[1:]), [onnx.helper.get_attribute_value(a) for a in n.attribute])
             for n in model.graph.node if n.op_type == "MatMulNBits"]
 
 
 @pytest.mark.parametrize("variant,scheme,block", [("llama", "w4", "32"), ("llama", "w8", "16"),
-                                                  ("qwen3_moe-dense-layer", "w4", "32")])
+                                                  ("qwen3_moe-dense-layer", "w4", "32"),
+                                                  ("llama-tied-llama3rope-bias", "w4", "32"), ("gemma", "w8", "16")])
 def test_quantized_export_is_calibrate_no_search(variant, scheme, block, store, calib_text, tmp_path, capsys):
-    """Identical MatMulNBits nodes, blocks and scales; the same precision section; the same logits."""
+    """Identical MatMulNBits nodes, blocks and scales; the same precision section; the same logits.
+    A tied table is looked up from the head's blocks by both (no float table is stored)."""
     ours = tmp_path / "streamed"
     code, _, err = run(["export", str(store.checkpoint(variant)), "-o", str(ours), "--precision", scheme,
                         "--block-size", block], capsys)
@@ -225,9 +248,12 @@ def test_quantized_export_is_calibrate_no_search(variant, scheme, block, store, 
         nodes = _nodes(ours, graph)
         assert nodes and nodes == _nodes(theirs, graph)
         a, b = _initializers(ours, graph), _initializers(theirs, graph)
-        quantized = {name for _, _, inputs, _, _ in nodes for name in inputs[1:]}
+        quantized = {name for _, inputs, _ in nodes for name in inputs}
         for name in quantized:
             np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    tied = json.loads((store.checkpoint(variant) / "config.json").read_text()).get("tie_word_embeddings", False)
+    for artifact in (ours, theirs):
+        assert len(_tables(artifact, "decode", store.checkpoint(variant))) == (0 if tied else 1)
     m_ours, m_theirs = load_manifest(ours), load_manifest(theirs)
     assert m_ours.precision == type(m_theirs.precision)(**{**m_theirs.precision.__dict__, "data": None})
     assert m_ours.graphs == m_theirs.graphs

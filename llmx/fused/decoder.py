@@ -31,7 +31,7 @@ from llmx.rope import cos_sin_tables, inv_freq_and_scale, long_context_threshold
 from llmx.spec import ModelSpec
 from llmx.artifact.manifest import GraphSpec
 from llmx.weight_names import graph_name, layer_weights, model_weights
-from llmx.fused.embedding import gather_blocks, gather_from_head
+from llmx.fused.embedding import gather_blocks, gather_from_head, scaled_lookup
 from llmx.fused.graph import MS_DOMAIN, GraphBuilder
 from llmx.fused.moe import check_moe_supported, moe_layer
 from llmx.fused.weights import WeightSource
@@ -88,12 +88,15 @@ def build_graph(spec: ModelSpec, w: WeightSource, kind: str, io: GraphSpec, all_
         g.output(t.name, t.dtype, t.shape)
     ctx = _context(g, spec, w, kind)
     names = _names(model_weights(spec))
-    if (table := getattr(w, "gathered", {}).get(names["embed"])) is not None:  # a GGUF's quantized table
+    from_head = getattr(w, "lookup_from_head", False)  # a tied table, stored once as the head (export/streaming.py)
+    if (table := getattr(w, "gathered", {}).get(names["embed"])) is not None:  # in blocks: a GGUF's, or the head's
         x = gather_blocks(g, table, "input_ids")
-    elif getattr(w, "lookup_from_head", False):  # a tied fp32 table, stored once (export/streaming.py)
-        x = gather_from_head(g, g.weight(w.get(names["lm_head"])), "input_ids", spec.embed_scale)
+    elif from_head:
+        x = gather_from_head(g, g.weight(w.get(names["lm_head"])), "input_ids")
     else:
         x = g.op1("Gather", [g.weight(w.get(names["embed"])), "input_ids"])
+    if from_head:
+        x = scaled_lookup(g, x, spec.embed_scale)
     if spec.position == "learned":
         skip = g.op1("Gather", [g.weight(w.get(names["pos_embed"])), "position_ids"])
     else:

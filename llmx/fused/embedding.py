@@ -42,17 +42,26 @@ def gather_blocks(g: GraphBuilder, weight: NBitsWeight, ids: str) -> str:
     if weight.offsets is not None:  # stored [blocks, n] for the head's MatMul: gather columns
         block_offsets = g.op1("Transpose", [g.op1("Gather", [g.weight(weight.offsets), ids], axis=1)], perm=[1, 2, 0])
         scaled = g.op1("Add", [scaled, g.op1("Unsqueeze", [block_offsets, last])])
-    return g.op1("Reshape", [scaled, g.const(np.array([0, 0, -1], np.int64))])
+    rows = g.op1("Reshape", [scaled, g.const(np.array([0, 0, -1], np.int64))])
+    blocks = weight.tensors[0].dims[1]
+    if blocks * weight.block_size != weight.k:  # the last block padded (K = 576 in blocks of 128)
+        rows = g.op1("Slice", [rows, g.const(np.array([0], np.int64)), g.const(np.array([weight.k], np.int64)),
+                               g.const(np.array([-1], np.int64))])
+    return rows
 
 
-def gather_from_head(g: GraphBuilder, head: str, ids: str, scale: float = 1.0) -> str:
+def gather_from_head(g: GraphBuilder, head: str, ids: str) -> str:
     """[batch, seq, k] rows of a tied model's table, read from the head's [k, n] float weight.
 
     A tied fp32 table stored once for the lookup and again transposed for the head's MatMul
     would be a second copy of the largest tensor (SmolLM2-135M: 113 MB of 540; Qwen3-4B: 1.6 GB):
-    the lookup gathers the head's columns instead. ``scale``: the embedding's factor (Gemma's
-    sqrt(hidden)), one float32 multiply as the reference does it after its lookup.
+    the lookup gathers the head's columns instead.
     """
     columns = g.op1("Gather", [head, ids], axis=1)  # [k, batch, seq]
-    rows = g.op1("Transpose", [columns], perm=[1, 2, 0])
+    return g.op1("Transpose", [columns], perm=[1, 2, 0])
+
+
+def scaled_lookup(g: GraphBuilder, rows: str, scale: float) -> str:
+    """A table read from the head lacks the embedding's factor (Gemma's sqrt(hidden)): one float32
+    multiply after the lookup, as the reference does it."""
     return rows if scale == 1.0 else g.op1("Mul", [rows, g.const(np.array(scale, np.float32))])

@@ -21,8 +21,9 @@ DTYPES = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "int32": Ten
 
 
 class GraphBuilder:
-    def __init__(self, name: str):
+    def __init__(self, name: str, prefix: str = ""):
         self.name = name
+        self.prefix = prefix  # of every fresh name: nodes added to an existing graph (calibration) keep clear of its own
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: dict[str, onnx.TensorProto] = {}
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -32,7 +33,7 @@ class GraphBuilder:
     # -- values ---------------------------------------------------------------------------
 
     def fresh(self, hint: str) -> str:
-        return f"{hint}_{next(self._ids)}"
+        return f"{self.prefix}{hint}_{next(self._ids)}"
 
     def input(self, name: str, dtype: str, shape: Sequence[int | str]) -> str:
         self.inputs.append(helper.make_tensor_value_info(name, DTYPES[dtype], list(shape)))
