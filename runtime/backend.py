@@ -28,6 +28,9 @@ class Cache(Protocol):
 
 @runtime_checkable
 class Backend(Protocol):
+    """Logits come back in buffers the backend may reuse: valid until its next prefill or decode
+    call (copy to keep them; the ONNX Runtime backend returns a view of its bound output)."""
+
     manifest: Manifest
     vocab_size: int
     prefill_calls: int  # how often prefill ran (tests and metrics)
