@@ -73,19 +73,13 @@ def read_array(init, base_dir: Path) -> np.ndarray:
     return numpy_helper.to_array(init, base_dir=str(base_dir))
 
 
-# The doc string of a weight whose rows a scheme rescaled (SmoothQuant, AWQ): it no longer holds
-# a tied table its lookup could share (calibration/weight_only.py lookups_from_blocks).
-RESCALED = "llmx: rows rescaled"
-
-
-def replace_initializer(model, name: str, array: np.ndarray, doc: str = "") -> None:
+def replace_initializer(model, name: str, array: np.ndarray) -> None:
     """Swap an initializer's content (same name, dtype and shape), stored inline until saved."""
     from onnx import numpy_helper
 
     for i, init in enumerate(model.graph.initializer):
         if init.name == name:
             model.graph.initializer[i].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), name))
-            model.graph.initializer[i].doc_string = doc
             return
     raise KeyError(name)
 
@@ -94,6 +88,9 @@ def add_initializer(model, name: str, array: np.ndarray) -> None:
     from onnx import numpy_helper
 
     model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+
+
+LOOKUP, ROW_SCALES = ".lookup", ".row_scales"  # a weight's untied lookup copy; the s its rows were scaled by
 
 
 def untie_weights(model) -> int:
@@ -110,7 +107,7 @@ def untie_weights(model) -> int:
         for i, name in enumerate(node.input):
             if name in weights:
                 if name not in copies:
-                    copies[name] = f"{name}.lookup"
+                    copies[name] = name + LOOKUP
                     model.graph.initializer.append(inits[name])
                     model.graph.initializer[-1].name = copies[name]
                 node.input[i] = copies[name]

@@ -25,7 +25,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from llmx.calibration.matmuls import (
-    RESCALED,
+    LOOKUP,
+    ROW_SCALES,
     add_initializer,
     consumers,
     drop_unused_initializers,
@@ -128,12 +129,15 @@ def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray]) -> dic
     inits = initializers(model)
     users, makers = consumers(model), producers(model)
     counts = {"folded": 0, "inserted": 0}
+    row_scales = {}
     for group in groups(model):
         s = scales.get(group.key)
         if s is None:
             continue
         for w in group.weights:
-            replace_initializer(model, w, read_array(inits[w], base_dir) * s[:, None], RESCALED)
+            replace_initializer(model, w, read_array(inits[w], base_dir) * s[:, None])
+            if w + LOOKUP in inits:  # a tied head: its lookup, if it reads the head's blocks, divides by s
+                row_scales[w + ROW_SCALES] = s
         group_nodes = {id(n) for n in users.get(group.activation, []) if n.op_type == "MatMul"}
         only_these = all(id(n) in group_nodes for n in users.get(group.activation, []))
         producer = makers.get(group.activation)
@@ -143,6 +147,8 @@ def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray]) -> dic
             _insert_mul(model, group, s, users)
             counts["inserted"] += 1
     drop_unused_initializers(model)  # norm weights replaced by their smoothed copies
+    for name, s in row_scales.items():  # read by no node until calibration/weight_only.py lookups_from_blocks
+        add_initializer(model, name, s)
     return counts
 
 

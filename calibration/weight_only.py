@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from llmx.calibration.matmuls import RESCALED, name_nodes, weight_matmuls
+from llmx.calibration.matmuls import LOOKUP, ROW_SCALES, name_nodes, weight_matmuls
 from llmx.calibration.quiet import quiet_logging
 from llmx.quant_blocks import BITS, CPU_ACCURACY_LEVEL, check_block_size  # noqa: F401 (this stage's names for them)
 
@@ -37,22 +37,23 @@ def quantize_weights(model, scheme: str, block_size: int, symmetric: bool, fallb
     matmuls = [mm for mm in weight_matmuls(model) if mm.weight not in skip]
     held = [mm.node.name for mm in matmuls if mm.weight in fallback]
     rest = [mm.node.name for mm in matmuls if mm.weight not in fallback]
-    rescaled = {i.name for i in model.graph.initializer if i.doc_string == RESCALED}
+    row_scales = {i.name: i for i in model.graph.initializer if i.name.endswith(ROW_SCALES)}  # the quantizer drops them
     model = _nbits(model, 8, held, block_size, symmetric)
     model = _nbits(model, BITS[scheme], rest, block_size, symmetric)
     if symmetric:
-        lookups_from_blocks(model, rescaled)
+        lookups_from_blocks(model, row_scales)
     return model
 
 
-def lookups_from_blocks(model, rescaled: Collection[str] = ()) -> int:
+def lookups_from_blocks(model, row_scales: dict | None = None) -> int:
     """A tied model's lookup (``Gather(axis=1)`` of the head's columns and a Transpose,
     llmx/fused/embedding.py; its own copy since calibration/matmuls.py ``untie_weights``) reads
     the head's MatMulNBits blocks instead, as a streamed w8/w4 export's does: the fp32 table is
     most of a small model's w4 artifact (SmolLM2-135M: 113 of 250 MB), and llama.cpp and
     onnxruntime-genai quantize a tied table with the head too. Only symmetric blocks (the lookup
-    dequantizes with the default zero point), and not a head ``rescaled`` (SmoothQuant, AWQ: its
-    rows are no longer the table's). Returns how many."""
+    dequantizes with the default zero point). A head SmoothQuant or AWQ rescaled holds the table
+    times s per hidden channel (``row_scales``: name -> initializer, calibration/smoothquant.py):
+    the looked-up rows are divided by it. Returns how many."""
     from llmx.calibration.matmuls import consumers, drop_unused_initializers, initializers
     from llmx.fused.embedding import gather_blocks
     from llmx.fused.graph import GraphBuilder
@@ -64,16 +65,19 @@ def lookups_from_blocks(model, rescaled: Collection[str] = ()) -> int:
     for node in list(model.graph.node):
         table = node.input[0] if node.op_type == "Gather" else ""
         attrs = {a.name: a.i for a in node.attribute}
-        head = table.removesuffix(".lookup")
+        head = table.removesuffix(LOOKUP)
         nbits = blocks.get(f"{head}_Q8") or blocks.get(f"{head}_Q4")
         after = users.get(node.output[0], [])
-        if not table.endswith(".lookup") or head in rescaled or attrs.get("axis") != 1 or nbits is None or len(after) != 1 \
+        scales = (row_scales or {}).get(head + ROW_SCALES)
+        if not table.endswith(LOOKUP) or attrs.get("axis") != 1 or nbits is None or len(after) != 1 \
                 or after[0].op_type != "Transpose":
             continue
         a = {x.name: x for x in nbits.attribute}
         weight = NBitsWeight(a["bits"].i, a["block_size"].i, a["K"].i, a["N"].i, [inits[nbits.input[1]], inits[nbits.input[2]]])
-        g = GraphBuilder("lookup", prefix=f"{head}.lookup/")
+        g = GraphBuilder("lookup", prefix=f"{head}{LOOKUP}/")
         rows = gather_blocks(g, weight, node.input[1])
+        if scales is not None:
+            rows = g.op1("Div", [rows, g.weight(scales)])
         g.op("Identity", [rows], [after[0].output[0]])
         at = list(model.graph.node).index(node)
         for old in (node, after[0]):
