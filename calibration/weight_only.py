@@ -63,15 +63,15 @@ def lookups_from_blocks(model, row_scales: dict | None = None) -> int:
     blocks = {n.input[1]: n for n in model.graph.node if n.op_type == "MatMulNBits" and len(n.input) == 3}
     done = 0
     for node in list(model.graph.node):
-        table = node.input[0] if node.op_type == "Gather" else ""
-        attrs = {a.name: a.i for a in node.attribute}
-        head = table.removesuffix(LOOKUP)
+        if node.op_type != "Gather" or not node.input[0].endswith(LOOKUP):
+            continue
+        head = node.input[0].removesuffix(LOOKUP)
         nbits = blocks.get(f"{head}_Q8") or blocks.get(f"{head}_Q4")
         after = users.get(node.output[0], [])
-        scales = (row_scales or {}).get(head + ROW_SCALES)
-        if not table.endswith(LOOKUP) or attrs.get("axis") != 1 or nbits is None or len(after) != 1 \
-                or after[0].op_type != "Transpose":
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if axis != 1 or nbits is None or len(after) != 1 or after[0].op_type != "Transpose":
             continue
+        scales = (row_scales or {}).get(head + ROW_SCALES)
         a = {x.name: x for x in nbits.attribute}
         weight = NBitsWeight(a["bits"].i, a["block_size"].i, a["K"].i, a["N"].i, [inits[nbits.input[1]], inits[nbits.input[2]]])
         g = GraphBuilder("lookup", prefix=f"{head}{LOOKUP}/")

@@ -80,6 +80,8 @@ so prefill and decode share each tensor in weights.bin.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from llmx.quant_blocks import DEFAULT_ZERO_POINT, Blocks, concat_rows, pack_codes, quantize_blocks
@@ -395,8 +397,9 @@ def split_offsets(blocks: Blocks) -> tuple[Blocks, np.ndarray | None]:
     # (int8 activations at level 4) sees a zero weight there rather than one of any size.
     t = np.where(lowest == q.max(axis=-1), lowest, np.clip(np.round(zp), lo, hi))
     offsets = ((t - zp.astype(np.float64)) * blocks.scales).astype(np.float32)
-    main = Blocks(blocks.bits, pack_codes(q - t[..., None].astype(np.int16) + default, blocks.bits),
-                  blocks.scales, None, blocks.block_size, scale_units=blocks.scale_units)
+    # replace(): the hints (scale_units, input_order) stay with the blocks they describe
+    main = dataclasses.replace(blocks, packed=pack_codes(q - t[..., None].astype(np.int16) + default, blocks.bits),
+                               zero_points=None, offsets=None)
     return main, (offsets if np.any(offsets) else None)
 
 

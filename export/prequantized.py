@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -115,8 +116,6 @@ class QuantLinear:
     def in_group_order(self) -> "QuantLinear":
         """The same linear with its input channels sorted by group (stably), which makes act-order's
         scattered groups contiguous; itself if they are in order already."""
-        import dataclasses
-
         order = np.argsort(self.g_idx, kind="stable")
         if np.array_equal(order, np.arange(len(order))):
             return self
@@ -503,8 +502,6 @@ def prequantized_checkpoint(checkpoint):
     """``checkpoint`` (open_checkpoint's) as it is read when its config.json has a
     ``quantization_config``: its quantized linears dequantized when read as tensors, and offered in
     their own blocks (``stored_blocks``); a checkpoint without one comes back as it is."""
-    import dataclasses
-
     if checkpoint.config.get("quantization_config") is None:
         return checkpoint
     fmt = quant_format(checkpoint.config)

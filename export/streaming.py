@@ -109,6 +109,7 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
     # the (quantized) embedding shares them, as the checkpoint does.
     shared: tuple[Blocks, NBitsWeight] | None = None
     head_holds_table = lookup_from_head and _head_holds_table(spec, quantization, low_dtype)
+    table: str | None = None  # the tied table's name, once the head holds it
     with WeightsFile(out_dir, background=True) as data:
         for role, name, tensor in iter_weights(spec, tensors, stored):
             if isinstance(tensor, (Blocks, StackedBlocks)):
@@ -120,15 +121,16 @@ def stream_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], out_dir
                 continue
             if tuple(tensor.shape) != shapes[name]:
                 raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {shapes[name]}")
+            name = graph_name(name)
             if role == "embed" and head_holds_table:
-                table = graph_name(name)
+                table = name
                 out.tensors[table] = _described(table, np.empty(0, np.float32), tensor.shape)
                 out.lookup_from_head = True
                 del tensor
                 continue
-            _write_weight(out, data, role, graph_name(name), tensor, quantization, low_dtype)
-            if role == "lm_head" and out.lookup_from_head and graph_name(name) in out.quantized:
-                out.gathered[table] = out.quantized[graph_name(name)]
+            _write_weight(out, data, role, name, tensor, quantization, low_dtype)
+            if role == "lm_head" and table is not None and name in out.quantized:
+                out.gathered[table] = out.quantized[name]
             # Dropped before the generator makes the next weight: an 8B model's embedding (2.1 GB
             # in fp32) would otherwise still be held while its 128256-row head is made.
             del tensor

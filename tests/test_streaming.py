@@ -190,16 +190,11 @@ def _lookup_rows(artifact, graph: str, ids: np.ndarray) -> tuple[np.ndarray, set
     layer's input), and the op types it runs."""
     import onnxruntime as ort
 
+    from llmx.runtime.rebuilt_weights import _producers
+
     model = onnx.load_model(str(artifact / f"{graph}.onnx"))
     norm = next(n for n in model.graph.node if n.op_type.endswith("LayerNormalization"))
-    made = {out: n for n in model.graph.node for out in n.output}
-    nodes, todo = {}, [norm.input[0]]
-    while todo:
-        node = made.get(todo.pop())
-        if node is not None and node.name not in nodes:
-            nodes[node.name] = node
-            todo.extend(node.input)
-    part = [n for n in model.graph.node if n.name in nodes]
+    part = _producers(model, [norm.input[0]])
     used = {i for n in part for i in n.input}
     graph_ = onnx.helper.make_graph(
         part, "lookup", [onnx.helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, None)],
