@@ -59,10 +59,11 @@ def calibrate_artifact(src: str | Path | Artifact, out: str | Path, data: str | 
         log(f"{options.label}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
     started = time.perf_counter()
     with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-calibrate-") as work:
-        stats, searched = None, None
+        stats, searched, builder = None, None, None
         if options.search is not None and options.scheme is not None:
-            options, stats, searched = search_recipe(source, split, options, Path(work) / "search", force, log, progress)
-        new = _build(source, split, options, Path(work), tmp, stats, log, progress)
+            options, stats, searched, builder = search_recipe(source, split, options, Path(work) / "search", force,
+                                                              log, progress)
+        new = _build(source, split, options, Path(work), tmp, stats, log, progress, builder)
         new.precision.data = data_record
         report = _report(source, Artifact(tmp, new), split, options, eval_data, log, progress)
         report["calibration_seconds"] = round(time.perf_counter() - started, 1)
@@ -81,7 +82,8 @@ def calibrate_artifact(src: str | Path | Artifact, out: str | Path, data: str | 
 
 def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Path, force: bool,
                   log: Callable[[str], None], progress: Progress):
-    """(options for the recipe the search picked, the activation statistics, the search record)."""
+    """(options for the recipe the search picked, the activation statistics, the search record,
+    the w8/w4 builder whose blocks the artifact reuses, if any)."""
     work.mkdir()
     paths = pipeline.prepare_fp32(source, work / "fp32")
     feeds = pipeline.make_feeds(source, split.calibration, options.threads)
@@ -95,7 +97,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     space = options.search
     if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
         space = replace(space, block_sizes=(options.block_size,))
-    chosen, record = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space, work, log,
+    chosen, record, builder = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space, work, log,
                                 progress)
     if not record["met"]:
         best = record["candidates"][record["chosen"]]
@@ -105,7 +107,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
             log(format_search(record))
             raise TargetNotMetError(message + "; --force keeps it, or relax --target")
         log(message + " (kept: --force)")
-    return apply(options, chosen), collected.get("stats"), record
+    return apply(options, chosen), collected.get("stats"), record, builder if options.scheme != "w8a8" else None
 
 
 def _quality(measured: dict) -> str:
@@ -115,8 +117,9 @@ def _quality(measured: dict) -> str:
 
 
 def _build(source: Artifact, split, options: CalibrationOptions, work: Path, tmp: Path, stats, log,
-           progress: Progress) -> Manifest:
-    models, weights_dir, record = pipeline.quantize_graphs(source, split.calibration, options, work, progress, stats)
+           progress: Progress, builder=None) -> Manifest:
+    models, weights_dir, record = pipeline.quantize_graphs(source, split.calibration, options, work, progress, stats,
+                                                           builder)
     if options.kv_cache == "int8":
         log(f"int8 KV cache: scales from {len(split.calibration)} windows")
         scales = kv_int8.calibrate_kv(source, split.calibration, options.threads)

@@ -6,7 +6,8 @@ the block size and the channel scaling, SmoothQuant alpha or AWQ (w8/w4), plus t
 Builders turn a candidate into the searched graph only (decode, or an encoder's embed), reusing the
 activation statistics and caching each smoothed graph and range set, so trying a candidate
 costs one quantization and one scoring pass, never another fp32 calibration run for minmax
-ranges.
+ranges. This module's ``StaticBuilder`` makes w8a8's Q/DQ graphs; weight_only_builder.py makes
+w8/w4's from blocks quantized once.
 """
 
 from __future__ import annotations
@@ -20,12 +21,10 @@ import numpy as np
 
 from llmx.artifact.onnx_files import load_graph, save_graphs
 from llmx.calibration.activations import ActivationStats
-from llmx.calibration.awq import awq_scales
 from llmx.calibration.matmuls import initializers, read_array, weight_matmuls
 from llmx.calibration.sensitivity import PROBE_INPUT, group_keys, probe_model, quantized_product, relative_error
 from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
 from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
-from llmx.calibration.weight_only import BITS, quantize_weights
 
 
 @dataclass(frozen=True)
@@ -127,6 +126,10 @@ class StaticBuilder:
         out = self._qdq(candidate, skip=set(candidate.fallback))
         return out, graph_bytes(onnx.load_model(str(out), load_external_data=False))
 
+    def discard(self, graph: Path) -> None:
+        """A candidate graph's session holds its weights now: its directory goes."""
+        shutil.rmtree(graph.parent)
+
     def _qdq(self, candidate: Candidate, skip: set[str]) -> Path:
         """A new Q/DQ graph under ``work`` for ``candidate``; MatMuls of ``skip`` stay fp32."""
         path, _ = self.smoothed(candidate.alpha)
@@ -136,73 +139,6 @@ class StaticBuilder:
         quantize_qdq(path, out, self.ranges(candidate.method, candidate.alpha), candidate.method, self.per_channel,
                      skip=skip)
         return out
-
-
-class WeightOnlyBuilder:
-    """w8/w4 MatMulNBits graphs of one graph at each candidate's block size, built in memory from its
-    fp32 weights."""
-
-    def __init__(self, fp32: Path, graph: str, stats: Callable[[], ActivationStats] | None, scheme: str,
-                 symmetric: bool):
-        """``stats()`` gives the activation statistics (collected on first call: round-to-nearest
-        never needs them)."""
-        import onnx
-
-        self.graph, self.stats, self.scheme, self.symmetric = graph, stats, scheme, symmetric
-        self.fp32 = onnx.load_model(str(fp32))
-        # ("awq", block) or ("sq", alpha) -> (scaled model, scales); AWQ's fit the blocks they round in
-        self._fitted: dict[tuple, tuple[object, dict]] = {}
-
-    def weights(self) -> list[str]:
-        return [mm.weight for mm in weight_matmuls(self.fp32)]
-
-    def source(self, candidate: Candidate):
-        return self._scaled(candidate)[0]
-
-    def _scaled(self, candidate: Candidate) -> tuple[object, dict]:
-        """(the fp32 model with ``candidate``'s channel scales folded in, those scales by group)."""
-        if candidate.awq:
-            key = ("awq", candidate.block_size)
-        elif candidate.alpha is not None:
-            key = ("sq", candidate.alpha)
-        else:
-            return self.fp32, {}
-        if key not in self._fitted:
-            model = _copy(self.fp32)
-            if candidate.awq:
-                scales = awq_scales(model, Path("."), self.stats(), candidate.block_size, BITS[self.scheme])
-            else:
-                scales = smoothing_scales(model, Path("."), self.stats().merged_absmax(), candidate.alpha)
-            apply_smoothing(model, Path("."), scales)
-            self._fitted[key] = model, scales
-        return self._fitted[key]
-
-    def local_errors(self, candidate: Candidate, rows: dict[str, np.ndarray], threads: int | None = None,
-                     progress: Callable[[int], None] = lambda n: None) -> dict[str, float]:
-        """Each MatMul's relative output error on its calibration ``rows`` when quantized as
-        ``candidate``, computed by the MatMulNBits kernel itself (sensitivity.py)."""
-        source, scales = self._scaled(candidate)
-        reference, source, keys = initializers(self.fp32), initializers(source), group_keys(self.fp32)
-        found = {}
-        for weight in self.weights():
-            s = scales.get(keys[weight])
-            x = rows[weight]
-            exact = x @ read_array(reference[weight], Path("."))
-            probe = self._quantize(probe_model(read_array(source[weight], Path("."))), candidate)
-            found[weight] = relative_error(exact, quantized_product(x if s is None else x / s, probe, threads))
-            progress(1)
-        return found
-
-    def only(self, candidate: Candidate, weights: list[str]):
-        """The model with only ``weights``' MatMuls quantized as ``candidate`` (the rest fp32)."""
-        return self._quantize(_copy(self.source(candidate)), candidate, skip=set(self.weights()) - set(weights))
-
-    def build(self, candidate: Candidate) -> tuple[object, int]:
-        model = self._quantize(_copy(self.source(candidate)), candidate, fallback=set(candidate.fallback))
-        return model, graph_bytes(model)
-
-    def _quantize(self, model, candidate: Candidate, **which):
-        return quantize_weights(model, self.scheme, candidate.block_size, self.symmetric, **which)
 
 
 def _copy(model):

@@ -15,7 +15,7 @@ from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer
 from llmx.calibration.activations import ActivationStats, collect_stats, statistics_graphs
-from llmx.calibration.awq import awq_scales
+from llmx.calibration.candidates import Candidate
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import Feeds
 from llmx.calibration.matmuls import declare_activation_types, name_nodes, untie_weights
@@ -24,36 +24,50 @@ from llmx.calibration.progress import Progress, silent
 from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
 from llmx.calibration.static import activation_scales, collect_ranges, minmax_ranges, quantize_qdq
 from llmx.calibration.tensorrt_cache import TRT_VERSION, write_tables
-from llmx.calibration.weight_only import BITS, quantize_weights
+from llmx.calibration.weight_only_builder import WeightOnlyBuilder
 
 
 
 
 def quantize_graphs(source: Artifact, windows: list[list[int]], options: CalibrationOptions, work: Path,
-                    progress: Progress, stats: ActivationStats | None = None) -> tuple[dict, Path | None, dict]:
+                    progress: Progress, stats: ActivationStats | None = None,
+                    builder: WeightOnlyBuilder | None = None) -> tuple[dict, Path | None, dict]:
     """(quantized models, the directory their external data lives in, what was done).
 
     ``stats``: activation statistics of these windows already collected (by the search); else
-    they are collected here when SmoothQuant, AWQ or minmax ranges need them.
+    they are collected here when SmoothQuant, AWQ or minmax ranges need them. ``builder``: the
+    search's w8/w4 builder, whose scaled graphs and blocks the artifact reuses.
     """
     if options.scheme is None:  # weights stay as they are (an int8 KV cache alone)
         return {name: load_graph(source.graph_path(name)) for name in source.manifest.graphs}, source.root, {}
+    record: dict = {"fallback": list(options.fallback)} if options.fallback else {}
+    if options.scheme != "w8a8":
+        if builder is None:
+            paths = prepare_fp32(source, work / "fp32")
+            feeds = make_feeds(source, windows, options.threads)
+            collected = [stats]
+
+            def lazy_stats() -> ActivationStats:
+                if collected[0] is None:
+                    collected[0] = statistics(paths, feeds, options, progress)
+                return collected[0]
+
+            graph = "embed" if source.manifest.kind == "encoder" else "decode"
+            builder = WeightOnlyBuilder(paths, graph, lazy_stats, options.scheme, options.symmetric,
+                                        work / "weight-only")
+        candidate = Candidate(alpha=options.smoothquant, awq=options.awq, fallback=tuple(options.fallback),
+                              block_size=options.block_size)
+        models, weights_dir, scaling = builder.graphs(candidate)
+        return models, weights_dir, {**record, **scaling}
     paths = prepare_fp32(source, work / "fp32")
     feeds = make_feeds(source, windows, options.threads)
-    minmax = options.scheme == "w8a8" and options.method == "minmax"
-    needs_stats = options.smoothquant is not None or options.awq or minmax
-    if stats is None and needs_stats:
+    if stats is None and (options.smoothquant is not None or options.method == "minmax"):
         stats = statistics(paths, feeds, options, progress)
-    record: dict = {"fallback": list(options.fallback)} if options.fallback else {}
     scales = None
     if options.smoothquant is not None:
         paths, record["smoothquant"] = smooth_graphs(paths, feeds, options, work / "smooth", progress,
-                                                     stats.merged_absmax() if stats else None)
+                                                     stats.merged_absmax())
         scales = record["smoothquant"].pop("scales")
-    if options.scheme != "w8a8":
-        if options.awq:
-            paths, record["awq"] = awq_graphs(paths, stats, options, work / "awq")
-        return weight_only_graphs(paths, options), None, record
     return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
 
 
@@ -82,25 +96,6 @@ def make_feeds(source: Artifact, windows: list[list[int]], threads: int | None):
     if source.manifest.kind == "encoder":
         return EncoderFeeds(windows)
     return Feeds(source, windows, threads)
-
-
-def weight_only_graphs(paths: dict[str, Path], options: CalibrationOptions) -> dict:
-    import onnx
-
-    return {name: quantize_weights(onnx.load_model(str(path)), options.scheme, options.block_size, options.symmetric,
-                                   fallback=set(options.fallback))
-            for name, path in paths.items()}
-
-
-def awq_graphs(paths: dict[str, Path], stats: ActivationStats, options: CalibrationOptions, out: Path):
-    """AWQ-scale both graphs with one set of scales; returns (new graph paths, what was done)."""
-    base = next(iter(paths.values())).parent
-    models = {name: load_graph(path) for name, path in paths.items()}
-    scales = awq_scales(models[next(iter(models))], base, stats, options.block_size, BITS[options.scheme])
-    counts = {name: apply_smoothing(model, base, scales) for name, model in models.items()}
-    out.mkdir()
-    save_graphs(models, out, sources={name: base for name in models})
-    return {name: out / f"{name}.onnx" for name in models}, {"groups": len(scales), "per_graph": counts}
 
 
 def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress = silent,

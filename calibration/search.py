@@ -22,7 +22,6 @@ a pick slower than the fp32 graph is said loudly.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,9 +30,10 @@ from typing import Callable
 import numpy as np
 
 from llmx.calibration.activations import ActivationStats
-from llmx.calibration.candidates import Candidate, StaticBuilder, WeightOnlyBuilder, by_sensitivity
+from llmx.calibration.candidates import Candidate, StaticBuilder, by_sensitivity
 from llmx.calibration.judge import make_judge, meets, session
 from llmx.calibration.progress import Progress, silent
+from llmx.calibration.weight_only_builder import WeightOnlyBuilder
 from llmx.errors import LlmxError
 
 # Perplexity ratio per scheme (decoders); encoders: mean cosine to fp32.
@@ -113,7 +113,7 @@ class Search:
     def session(self, graph):
         scorer = session(graph, self.threads)
         if isinstance(graph, Path):  # the session holds the weights now; a search writes many graphs
-            shutil.rmtree(graph.parent)
+            self.builder.discard(graph)
         return scorer
 
     def attempt(self, candidate: Candidate, stage: str) -> dict:
@@ -189,9 +189,10 @@ class Search:
 
 def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], ActivationStats], held_out: list[list[int]],
                options, space: SearchSpace, work: Path, log: Callable[[str], None] = lambda msg: None,
-               progress: Progress = silent) -> tuple[Candidate, dict]:
-    """(the chosen candidate, the search record) for ``options.scheme`` on the fp32 ``paths``;
-    ``stats()`` gives the activation statistics, collected on first call."""
+               progress: Progress = silent) -> tuple[Candidate, dict, object]:
+    """(the chosen candidate, the search record, the builder that made its graphs) for
+    ``options.scheme`` on the fp32 ``paths``; ``stats()`` gives the activation statistics,
+    collected on first call."""
     start = time.perf_counter()
     encoder = manifest.kind == "encoder"
     target = space.target_for(options.scheme, encoder)
@@ -200,7 +201,7 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], Acti
     if options.scheme == "w8a8":
         builder = StaticBuilder(paths[judge.graph], judge.graph, stats(), feeds, options.per_channel, work)
     else:
-        builder = WeightOnlyBuilder(paths[judge.graph], judge.graph, stats, options.scheme, options.symmetric)
+        builder = WeightOnlyBuilder(paths, judge.graph, stats, options.scheme, options.symmetric, work / "weight-only")
     log(f"search: {describe_target(target, encoder)} on {len(held_out)} held-out "
         f"{'sentences' if encoder else 'windows'} ({judge.graph} graph); fp32 {format_speed(judge.fp32_speed)}")
     search = Search(judge, builder, target, options.threads, log, progress)
@@ -229,7 +230,7 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], Acti
               "met": chosen["meets"], "sensitivity": sensitivity, "fp32": judge.fp32_speed,
               "slower_than_fp32": slower,
               "seconds": {"reference": round(reference_seconds, 2), "search": round(time.perf_counter() - start, 2)}}
-    return candidate_of(chosen), record
+    return candidate_of(chosen), record, builder
 
 
 def by_layer(weights: list[str]) -> list[list[str]]:

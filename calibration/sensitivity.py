@@ -18,9 +18,14 @@ an error no numpy model of the rounding shows.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from llmx.calibration.smoothquant import groups
+
+if TYPE_CHECKING:
+    from llmx.quant_blocks import NBitsWeight
 
 
 def relative_error(reference: np.ndarray, approx: np.ndarray) -> float:
@@ -47,6 +52,21 @@ def probe_model(w: np.ndarray):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])],
                               [numpy_helper.from_array(np.ascontiguousarray(w, np.float32), "w")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def nbits_probe(weight: "NBitsWeight", name: str):
+    """A graph of one quantized MatMul, x @ W, from W's MatMulNBits tensors (values inline)."""
+    from onnx import TensorProto, helper
+
+    from llmx.quant_blocks import CPU_ACCURACY_LEVEL, nbits_nodes
+
+    tensors = {}
+    nodes = nbits_nodes(PROBE_INPUT, "y", weight, name, CPU_ACCURACY_LEVEL, lambda t: tensors.setdefault(t.name, t).name)
+    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info(PROBE_INPUT, TensorProto.FLOAT, ["rows", weight.k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", weight.n])],
+                              list(tensors.values()))
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=9)
 
 
 def quantized_product(x: np.ndarray, quantized, threads: int | None) -> np.ndarray:

@@ -197,7 +197,7 @@ def replace_matmuls(model, weights: dict[str, NBitsWeight], accuracy_level: int)
         if tuple(inits[name].dims) != (quantized.k, quantized.n):
             raise ValueError(f"{name}: graph weight is {'x'.join(map(str, inits[name].dims))}, "
                              f"its blocks are for {quantized.k}x{quantized.n}")
-        nodes.extend(_nbits_nodes(node.input[0], node.output[0], quantized, node.name or name, accuracy_level, add))
+        nodes.extend(nbits_nodes(node.input[0], node.output[0], quantized, node.name or name, accuracy_level, add))
         swapped.append(name)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -209,18 +209,19 @@ def replace_matmuls(model, weights: dict[str, NBitsWeight], accuracy_level: int)
     return swapped
 
 
-def _nbits_nodes(x: str, y: str, w: NBitsWeight, name: str, accuracy_level: int, add) -> list:
+def nbits_nodes(x: str, y: str, w: NBitsWeight, name: str, accuracy_level: int, add) -> list:
+    """The nodes computing ``y = x @ w``; ``add(tensor)`` registers an initializer and returns its name."""
     from onnx import helper
 
     if w.parts:
         outputs = [f"{y}_part{j}" for j in range(len(w.parts))]
         nodes = [n for j, (part, out) in enumerate(zip(w.parts, outputs))
-                 for n in _nbits_nodes(x, out, part, f"{name}_part{j}", accuracy_level, add)]
+                 for n in nbits_nodes(x, out, part, f"{name}_part{j}", accuracy_level, add)]
         return [*nodes, helper.make_node("Concat", outputs, [y], name=f"{name}_concat", axis=-1)]
     if w.input_order is not None:  # the blocks' order of the inputs (Blocks.input_order)
         ordered = f"{name}_x_ordered"
         nodes = [helper.make_node("Gather", [x, add(w.input_order)], [ordered], name=f"{name}_input_order", axis=-1)]
-        return nodes + _nbits_nodes(ordered, y, dataclasses.replace(w, input_order=None), name, accuracy_level, add)
+        return nodes + nbits_nodes(ordered, y, dataclasses.replace(w, input_order=None), name, accuracy_level, add)
     attrs = dict(K=w.k, N=w.n, bits=w.bits, block_size=w.block_size)
     if accuracy_level:  # the quantizer leaves the optional attribute out at 0
         attrs["accuracy_level"] = accuracy_level

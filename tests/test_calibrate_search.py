@@ -7,6 +7,7 @@ import argparse
 import inspect
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -92,12 +93,14 @@ def test_search_falls_back_on_exactly_the_planted_outlier_matmuls(planted, stdli
 
 
 def test_default_search_meets_w8a8_on_planted_outliers(planted, stdlib_text, tmp_path):
-    """With no flags beyond the scheme, SmoothQuant in the recipe grid undoes the planted outliers."""
+    """With the default grid, SmoothQuant undoes the planted outliers. The target is the one the
+    recipe without smoothing misses on any CPU (the test above): with AVX-512 VNNI's int8 sums it
+    measures about 1.0125, inside the default 1.02; AVX2's saturating ones put it far outside."""
     art, _ = planted
     calib, held_out = stdlib_text
-    options = CalibrationOptions(scheme="w8a8", search=SearchSpace(), **SMALL)
+    options = CalibrationOptions(scheme="w8a8", search=SearchSpace(target=1.01), **SMALL)
     report = calibrate_artifact(art, tmp_path / "q", calib, options, eval_data=held_out).extras["quality"]
-    assert report["meets_target"] and report["perplexity_ratio"] <= 1.02
+    assert report["meets_target"] and report["perplexity_ratio"] <= 1.01
     chosen = report["search"]["candidates"][report["search"]["chosen"]]
     assert chosen["smoothquant"] is not None and chosen["fallback"] == []
     assert report["options"]["smoothquant"] == chosen["smoothquant"]
@@ -289,7 +292,8 @@ def test_weight_only_sensitivity_is_ranked_by_the_kernel_in_one_pass(planted, st
     calibration rows: the planted loud channels make exactly their two MatMuls the worst, and
     blocks of 16 (the loud channels spoil fewer neighbours) cut their error."""
     from llmx.calibration.activations import collect_stats
-    from llmx.calibration.candidates import Candidate, WeightOnlyBuilder
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.weight_only_builder import WeightOnlyBuilder
     from llmx.calibration.data import read_text_data, token_windows
     from llmx.calibration.pipeline import make_feeds, prepare_fp32
     from llmx.runtime.tokenizer import Tokenizer
@@ -299,7 +303,7 @@ def test_weight_only_sensitivity_is_ranked_by_the_kernel_in_one_pass(planted, st
     windows = token_windows(Tokenizer(src), read_text_data(stdlib_text[0]), 64)[:4]
     paths = prepare_fp32(src, tmp_path / "fp32")
     stats = collect_stats(paths, make_feeds(src, windows, 1), threads=1)
-    builder = WeightOnlyBuilder(paths["decode"], "decode", None, "w8", True)
+    builder = WeightOnlyBuilder(paths, "decode", None, "w8", True, tmp_path / "work")
     coarse = builder.local_errors(Candidate(block_size=128), stats.rows, threads=1)
     fine = builder.local_errors(Candidate(block_size=16), stats.rows, threads=1)
     assert sorted(coarse) == sorted(builder.weights())
@@ -364,43 +368,93 @@ def test_awq_scale_beats_rounding_when_a_few_channels_are_salient():
     assert best_scale(flat, w, np.ones(128), 32, 4) is None
 
 
-def test_awq_models_are_cached_per_block_size(store, monkeypatch):
+def test_awq_models_are_cached_per_block_size(store, monkeypatch, tmp_path):
     """AWQ's scales are fitted to the blocks they round in: one smoothed model per block size, reused."""
-    import llmx.calibration.candidates as candidates
-    from llmx.calibration.candidates import Candidate, WeightOnlyBuilder
+    import llmx.calibration.weight_only_builder as candidates
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.weight_only_builder import WeightOnlyBuilder
 
     fitted = []
     monkeypatch.setattr(candidates, "awq_scales", lambda model, base, stats, block, bits: fitted.append(block) or {})
-    builder = WeightOnlyBuilder(store.artifact("llama") / "decode.onnx", "decode", lambda: None, "w4", True)
+    shutil.copytree(store.artifact("llama"), tmp_path / "fp32")
+    builder = WeightOnlyBuilder({"decode": tmp_path / "fp32" / "decode.onnx"}, "decode", lambda: None, "w4", True,
+                                tmp_path / "work")
     for block in (128, 32, 128):
-        model, _ = builder.build(Candidate(awq=True, block_size=block))
-        assert graph_block_sizes(model) == {block}
+        path, _ = builder.build(Candidate(awq=True, block_size=block))
+        assert graph_block_sizes(onnx.load_model(str(path), load_external_data=False)) == {block}
     assert fitted == [128, 32]
-    assert builder.source(Candidate(awq=False, block_size=128)) is builder.fp32
+    assert builder.source(Candidate(awq=False, block_size=128)).models is builder.fp32
+
+
+@pytest.fixture
+def tied_fp32(store, tmp_path):
+    """A fused tied llama's decode graph (its lookup reads the head), untied as calibration
+    prepares it, in a directory of its own; (path, weight names)."""
+    from llmx.calibration.matmuls import name_nodes, untie_weights, weight_matmuls
+
+    model = onnx.load_model(str(store.optimized("llama-tied-llama3rope-bias") / "decode.onnx"))
+    name_nodes(model)
+    untie_weights(model)
+    onnx.save_model(model, str(tmp_path / "decode.onnx"), save_as_external_data=True, location="weights.bin")
+    return tmp_path / "decode.onnx", [mm.weight for mm in weight_matmuls(model)]
 
 
 @pytest.mark.parametrize("scheme", ["w8", "w4"])
-def test_weight_only_fallback_precision(scheme, store):
-    """w8 fallback: an fp32 MatMul (never accuracy level 0, which dequantizes per call); w4 fallback:
-    8-bit weights; skip: fp32. Every MatMulNBits computes at accuracy level 4."""
-    from llmx.calibration.matmuls import weight_matmuls
-    from llmx.calibration.weight_only import quantize_weights
+def test_searched_graph_is_what_onnx_runtimes_quantizer_writes(scheme, tied_fp32, tmp_path):
+    """The search and the artifact assemble each graph on disk from blocks quantized once per
+    recipe (weight_only_builder.py); tensor for tensor it is what ONNX Runtime's own
+    MatMulNBitsQuantizer writes, the tied lookup then reading the head's blocks."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    model = onnx.load_model(str(store.artifact("llama") / "decode.onnx"))
-    weights = [mm.weight for mm in weight_matmuls(model)]
-    held, skipped = weights[0], weights[1]
-    out = quantize_weights(model, scheme, 32, True, fallback={held}, skip={skipped})
-    nodes = {n.input[1].rsplit("_Q", 1)[0]: n for n in out.graph.node if n.op_type == "MatMulNBits"}
-    level = {w: {a.name: a.i for a in n.attribute}.get("accuracy_level", 0) for w, n in nodes.items()}
-    bits = {w: {a.name: a.i for a in n.attribute}["bits"] for w, n in nodes.items()}
-    assert set(level.values()) == {4}
-    if scheme == "w8":
-        assert set(nodes) == set(weights) - {skipped, held} and set(bits.values()) == {8}
-        assert any(n.op_type == "MatMul" and n.input[1] == held for n in out.graph.node)
-    else:
-        assert set(nodes) == set(weights) - {skipped}
-        assert bits[held] == 8 and all(bits[w] == 4 for w in nodes if w != held)
-    assert any(n.op_type == "MatMul" and n.input[1] == skipped for n in out.graph.node)
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.weight_only import lookups_from_blocks
+    from llmx.calibration.weight_only_builder import WeightOnlyBuilder
+
+    fp32, weights = tied_fp32
+    builder = WeightOnlyBuilder({"decode": fp32}, "decode", None, scheme, True, tmp_path / "work")
+    first, _ = builder.build(Candidate(block_size=32, fallback=(weights[1],)))
+    path, size = builder.build(Candidate(block_size=32))  # reuses the first one's blocks
+    ours = onnx.load_model(str(path))
+    quantizer = MatMulNBitsQuantizer(onnx.load_model(str(fp32)), bits=8 if scheme == "w8" else 4, block_size=32,
+                                     is_symmetric=True, accuracy_level=4, op_types_to_quantize=("MatMul",))
+    quantizer.process()
+    theirs = quantizer.model.model
+    assert lookups_from_blocks(theirs) == 1
+    assert [n.op_type for n in ours.graph.node] == [n.op_type for n in theirs.graph.node]
+    ours_t = {i.name: onnx.numpy_helper.to_array(i, str(path.parent)) for i in ours.graph.initializer}
+    theirs_t = {i.name: onnx.numpy_helper.to_array(i) for i in theirs.graph.initializer}
+    assert sorted(ours_t) == sorted(theirs_t)
+    for name, value in theirs_t.items():
+        np.testing.assert_array_equal(ours_t[name], value, err_msg=name)
+    assert size == sum(v.nbytes for v in ours_t.values())
+
+
+@pytest.mark.parametrize("scheme", ["w8", "w4"])
+def test_weight_only_fallback_precision(scheme, tied_fp32, tmp_path):
+    """w8 fallback: an fp32 MatMul (never accuracy level 0, which dequantizes per call); w4 fallback:
+    8-bit weights; outside a per-layer graph's weights: fp32. Every MatMulNBits computes at
+    accuracy level 4. The artifact's graphs are the searched graph's."""
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.weight_only_builder import WeightOnlyBuilder
+
+    fp32, weights = tied_fp32
+    builder = WeightOnlyBuilder({"decode": fp32}, "decode", None, scheme, True, tmp_path / "work")
+    held = weights[0]
+    searched = onnx.load_model(str(builder.build(Candidate(block_size=32, fallback=(held,)))[0]))
+    models, _, record = builder.graphs(Candidate(block_size=32, fallback=(held,)))
+    assert record == {} and [n.op_type for n in models["decode"].graph.node] == [n.op_type for n in searched.graph.node]
+    for out, quantized in ((searched, set(weights) - ({held} if scheme == "w8" else set())),
+                           (onnx.load_model(str(builder.only(Candidate(block_size=32), weights[2:4]))), set(weights[2:4]))):
+        nodes = {n.input[1].rsplit("_Q", 1)[0]: n for n in out.graph.node if n.op_type == "MatMulNBits"}
+        level = {w: {a.name: a.i for a in n.attribute}.get("accuracy_level", 0) for w, n in nodes.items()}
+        bits = {w: {a.name: a.i for a in n.attribute}["bits"] for w, n in nodes.items()}
+        assert set(nodes) == quantized and set(level.values()) == {4}
+        fp32_matmuls = {n.input[1] for n in out.graph.node if n.op_type == "MatMul"}
+        assert fp32_matmuls == set(weights) - quantized
+        if out is searched and scheme == "w4":
+            assert bits[held] == 8 and all(bits[w] == 4 for w in nodes if w != held)
+        elif out is searched:
+            assert set(bits.values()) == {8}
 
 
 def test_sensitivity_groups_weights_by_layer_and_the_lm_head_alone():

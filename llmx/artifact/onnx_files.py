@@ -55,8 +55,9 @@ class WeightsFile:
 
     inline_limit = _INLINE_LIMIT
 
-    def __init__(self, out_dir: Path, mode: str = "wb", background: bool = False):
-        self.file = open(Path(out_dir) / WEIGHTS_FILE, mode)
+    def __init__(self, out_dir: Path, mode: str = "wb", background: bool = False, name: str = WEIGHTS_FILE):
+        self.name = name  # the file's name in the graphs' external-data references
+        self.file = open(Path(out_dir) / name, mode)
         self.file.seek(0, 2)
         self.position = self.file.tell()
         self.written: dict[tuple[str, str], tuple[int, int]] = {}
@@ -126,15 +127,16 @@ class WeightsFile:
         init.ClearField("raw_data")
         for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
             init.ClearField(field)
-        external_reference(init, offset, length)
+        external_reference(init, offset, length, self.name)
 
 
-def external_reference(init, offset: int, length: int) -> None:
-    """Point initializer ``init`` at ``length`` bytes of the artifact's weights.bin from ``offset``."""
+def external_reference(init, offset: int, length: int, location: str = WEIGHTS_FILE) -> None:
+    """Point initializer ``init`` at ``length`` bytes of the artifact's weights.bin (or the file
+    ``location`` beside the graph) from ``offset``."""
     onnx = _onnx()
     del init.external_data[:]
     init.data_location = onnx.TensorProto.EXTERNAL
-    for k, v in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
         entry = init.external_data.add()
         entry.key, entry.value = k, v
 

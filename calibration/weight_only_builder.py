@@ -1,0 +1,189 @@
+"""w8/w4 MatMulNBits graphs of a candidate recipe, assembled on disk from blocks quantized once.
+
+The search scores many weight-only candidates (recipes, per-layer sensitivity graphs, fallback
+counts), and the artifact is one more. Nothing here holds a model's weights whole in memory:
+
+- a **source** is the fp32 graphs with one channel scaling folded in (none, AWQ's at a block
+  size, SmoothQuant's at an alpha): weightless protos whose tensors live in that source's
+  directory, in ``weights.bin``;
+- each weight's **blocks** for one (bits, block size) are quantized the first time anything asks
+  for them (ONNX Runtime's own rounding, ``quant_blocks.quantize_blocks``, byte for byte what its
+  MatMulNBitsQuantizer writes) and appended to the source's ``blocks.bin``, so the fallback and
+  per-layer candidates of a recipe, and then the artifact, quantize nothing again;
+- a **candidate graph** is a source proto with references into those two files, written beside
+  them: ONNX Runtime maps the tensors instead of parsing the model from bytes (SmolLM2-135M's
+  decode graph: a session in 0.5 s from a path, 2.1 s from bytes, which also held the model
+  twice more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, save_graphs
+from llmx.calibration.activations import ActivationStats
+from llmx.calibration.awq import awq_scales
+from llmx.calibration.candidates import Candidate, graph_bytes
+from llmx.calibration.matmuls import ROW_SCALES, initializers, read_array, weight_matmuls
+from llmx.calibration.sensitivity import group_keys, nbits_probe, quantized_product, relative_error
+from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
+from llmx.calibration.weight_only import BITS, lookups_from_blocks
+from llmx.quant_blocks import CPU_ACCURACY_LEVEL, NBitsWeight, quantize_blocks, replace_matmuls
+
+BLOCKS_FILE = "blocks.bin"
+
+
+@dataclass
+class Source:
+    dir: Path
+    models: dict  # graph name -> weightless proto, its tensors in dir's weights.bin
+    scales: dict  # group key -> s folded in (empty: none)
+    record: dict = field(default_factory=dict)  # what the manifest says was done
+    blocks: dict = field(default_factory=dict)  # (weight, bits, block size) -> NBitsWeight (references)
+
+
+class WeightOnlyBuilder:
+    def __init__(self, fp32: dict[str, Path], graph: str, stats: Callable[[], ActivationStats] | None, scheme: str,
+                 symmetric: bool, work: Path):
+        """``fp32``: the graphs by name, in one directory that must be the caller's own copy
+        (pipeline.prepare_fp32): the unscaled recipes' blocks and graphs are written beside it, as
+        ONNX Runtime reads external data only from a graph's own directory (a link out is refused,
+        and onnx refuses a hard-linked file). ``graph``: the one the search scores. ``stats()``
+        gives the activation statistics (collected on first call: round-to-nearest never needs
+        them). ``work``: a directory the builder owns, for the scaled sources."""
+        self.graph, self.stats, self.scheme, self.symmetric, self.work = graph, stats, scheme, symmetric, Path(work)
+        self.fp32 = {name: load_graph(path) for name, path in fp32.items()}
+        self.fp32_dir = fp32[graph].parent
+        self.built = 0
+        self._sources: dict[tuple, Source] = {}
+
+    def weights(self) -> list[str]:
+        return [mm.weight for mm in weight_matmuls(self.fp32[self.graph])]
+
+    def source(self, candidate: Candidate) -> Source:
+        """The fp32 graphs with ``candidate``'s channel scales folded in (one set for all graphs);
+        AWQ's fit the blocks they round in."""
+        if candidate.awq:
+            key = ("awq", candidate.block_size)
+        elif candidate.alpha is not None:
+            key = ("sq", candidate.alpha)
+        else:
+            key = ("fp32",)
+        if key not in self._sources:
+            unscaled = key == ("fp32",)
+            self._sources[key] = Source(self.fp32_dir, self.fp32, {}) if unscaled else self._scaled(candidate, key)
+        return self._sources[key]
+
+    def _scaled(self, candidate: Candidate, key: tuple) -> Source:
+        models = {name: _copy(model) for name, model in self.fp32.items()}
+        searched = models[self.graph]
+        if candidate.awq:
+            scales = awq_scales(searched, self.fp32_dir, self.stats(), candidate.block_size, BITS[self.scheme])
+        else:
+            scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
+        counts = {name: apply_smoothing(model, self.fp32_dir, scales) for name, model in models.items()}
+        out = self.work / "-".join(map(str, key))
+        out.mkdir(parents=True)
+        save_graphs(models, out, sources={name: self.fp32_dir for name in models})
+        record = {"groups": len(scales), "per_graph": counts}
+        record = {"awq": record} if candidate.awq else {"smoothquant": {"alpha": candidate.alpha, **record}}
+        return Source(out, {name: load_graph(out / f"{name}.onnx") for name in models}, scales, record)
+
+    def blocks(self, source: Source, weights: list[tuple[str, int]], block_size: int) -> dict[str, NBitsWeight]:
+        """Each (weight, bits) of ``source`` as MatMulNBits tensors referencing its blocks file,
+        quantized only the first time."""
+        from onnx import numpy_helper
+
+        inits = initializers(source.models[self.graph])
+        missing = [(w, bits) for w, bits in weights if (w, bits, block_size) not in source.blocks]
+        if missing:
+            with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
+                for weight, bits in missing:
+                    blocks = quantize_blocks(read_array(inits[weight], source.dir), bits, block_size, self.symmetric)
+                    tensors = []
+                    for name, values in blocks.arrays(weight):
+                        tensors.append(numpy_helper.from_array(np.ascontiguousarray(values), name))
+                        data.store(tensors[-1], tensors[-1].raw_data)
+                    k = int(inits[weight].dims[0])
+                    source.blocks[(weight, bits, block_size)] = NBitsWeight.of(blocks, k, tensors)
+        return {w: source.blocks[(w, bits, block_size)] for w, bits in weights}
+
+    def local_errors(self, candidate: Candidate, rows: dict[str, np.ndarray], threads: int | None = None,
+                     progress: Callable[[int], None] = lambda n: None) -> dict[str, float]:
+        """Each MatMul's relative output error on its calibration ``rows`` when quantized as
+        ``candidate``, computed by the MatMulNBits kernel itself (sensitivity.py) on the blocks
+        the candidates use."""
+        from onnx import numpy_helper
+
+        source, fp32 = self.source(candidate), self.fp32[self.graph]
+        reference, keys = initializers(fp32), group_keys(fp32)
+        found = {}
+        for weight in self.weights():
+            s = source.scales.get(keys[weight])
+            x = rows[weight]
+            exact = x @ read_array(reference[weight], self.fp32_dir)
+            nbits = self.blocks(source, [(weight, BITS[self.scheme])], candidate.block_size)[weight]
+            inline = [numpy_helper.from_array(read_array(t, source.dir), t.name) for t in nbits.tensors]
+            probe = nbits_probe(replace(nbits, tensors=inline), weight)
+            found[weight] = relative_error(exact, quantized_product(x if s is None else x / s, probe, threads))
+            progress(1)
+        return found
+
+    def only(self, candidate: Candidate, weights: list[str]) -> Path:
+        """The searched graph with only ``weights``' MatMuls quantized as ``candidate`` (the rest fp32)."""
+        return self._save(self._quantized(candidate, [(w, BITS[self.scheme]) for w in weights], self.graph), candidate)
+
+    def build(self, candidate: Candidate) -> tuple[Path, int]:
+        """(the searched graph's path, its tensor bytes) for ``candidate``."""
+        path = self._save(self._quantized(candidate, self._precisions(candidate), self.graph), candidate)
+        return path, graph_bytes(load_graph(path))
+
+    def graphs(self, candidate: Candidate) -> tuple[dict, Path, dict]:
+        """Every graph as ``candidate`` quantizes it, for the artifact: (weightless models, the
+        directory their tensors are in, what the manifest records of the scaling)."""
+        chosen = self._precisions(candidate)
+        models = {name: self._quantized(candidate, chosen, name) for name in self.fp32}
+        source = self.source(candidate)
+        return models, source.dir, source.record
+
+    def discard(self, graph: Path) -> None:
+        """A candidate graph's session holds its weights now: only the graph file goes (the
+        weights and blocks files stay for the next candidate)."""
+        graph.unlink()
+
+    def _precisions(self, candidate: Candidate) -> list[tuple[str, int]]:
+        """(weight, bits) of every quantized MatMul: a fallback stays fp32 under w8, 8-bit under w4."""
+        held = set(candidate.fallback)
+        if self.scheme == "w8":
+            return [(w, 8) for w in self.weights() if w not in held]
+        return [(w, 8 if w in held else BITS[self.scheme]) for w in self.weights()]
+
+    def _quantized(self, candidate: Candidate, chosen: list[tuple[str, int]], graph: str):
+        source = self.source(candidate)
+        model = _copy(source.models[graph])
+        row_scales = {i.name: i for i in model.graph.initializer if i.name.endswith(ROW_SCALES)}  # read by no node
+        replace_matmuls(model, self.blocks(source, chosen, candidate.block_size), CPU_ACCURACY_LEVEL)
+        if self.symmetric:
+            lookups_from_blocks(model, row_scales)
+        return model
+
+    def _save(self, model, candidate: Candidate) -> Path:
+        import onnx
+
+        self.built += 1
+        path = self.source(candidate).dir / f"candidate-{self.built}.onnx"
+        model.ir_version = IR_VERSION
+        onnx.save_model(model, str(path))
+        return path
+
+
+def _copy(model):
+    import onnx
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
