@@ -5,6 +5,7 @@ rerunning the fp32 model:
 
     absmax[graph][weight]   per-input-channel max |X|   SmoothQuant scales, minmax ranges
     mean_abs[weight]        per-input-channel mean |X|  AWQ's activation-aware scales
+    mean_square[weight]     per-input-channel mean X^2  importance-weighted rounding (rounding.py)
     rows[weight]            a sample of X's rows         AWQ's output-error search
 
 Keyed by weight name, the one name prefill and decode share for a MatMul.
@@ -27,6 +28,7 @@ SAMPLE_ROWS = 256  # rows of X kept per MatMul input (AWQ's search: enough to ra
 class ActivationStats:
     absmax: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)  # graph -> weight -> [in]
     abs_sum: dict[str, np.ndarray] = field(default_factory=dict)
+    square_sum: dict[str, np.ndarray] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
     rows: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -41,13 +43,18 @@ class ActivationStats:
     def mean_abs(self, weight: str) -> np.ndarray:
         return self.abs_sum[weight] / max(1, self.count[weight])
 
+    def mean_square(self, weight: str) -> np.ndarray:
+        return self.square_sum[weight] / max(1, self.count[weight])
+
     def add(self, graph: str, weights: list[str], value: np.ndarray, rng: np.random.Generator) -> None:
         flat = value.reshape(-1, value.shape[-1]).astype(np.float32)
         channel_max = np.abs(flat).max(0)
         table = self.absmax.setdefault(graph, {})
+        abs_sum, square_sum = np.abs(flat).sum(0, dtype=np.float64), np.square(flat).sum(0, dtype=np.float64)
         for weight in weights:
             table[weight] = np.maximum(table[weight], channel_max) if weight in table else channel_max
-            self.abs_sum[weight] = self.abs_sum.get(weight, 0) + np.abs(flat).sum(0, dtype=np.float64)
+            self.abs_sum[weight] = self.abs_sum.get(weight, 0) + abs_sum
+            self.square_sum[weight] = self.square_sum.get(weight, 0) + square_sum
             self.count[weight] = self.count.get(weight, 0) + len(flat)
             kept = self.rows.get(weight)
             if kept is None or len(kept) < SAMPLE_ROWS:

@@ -7,9 +7,11 @@ counts), and the artifact is one more. Nothing here holds a model's weights whol
   size, SmoothQuant's at an alpha): weightless protos whose tensors live in that source's
   directory, in ``weights.bin``;
 - each weight's **blocks** for one (bits, block size) are quantized the first time anything asks
-  for them (ONNX Runtime's own rounding, ``quant_blocks.quantize_blocks``, byte for byte what its
-  MatMulNBitsQuantizer writes) and appended to the source's ``blocks.bin``, so the fallback and
-  per-layer candidates of a recipe, and then the artifact, quantize nothing again;
+  for them and appended to the source's ``blocks.bin``, so the fallback and per-layer candidates
+  of a recipe, and then the artifact, quantize nothing again. The rounding is ONNX Runtime's own
+  (``quant_blocks.quantize_blocks``, byte for byte what its MatMulNBitsQuantizer writes), except
+  an AWQ source's 4-bit blocks: importance-weighted (rounding.py, with AWQ's s folded into the
+  importance), activation-aware like its scales;
 - a **candidate graph** is a source proto with references into those two files, written beside
   them: ONNX Runtime maps the tensors instead of parsing the model from bytes (SmolLM2-135M's
   decode graph: a session in 0.5 s from a path, 2.1 s from bytes, which also held the model
@@ -29,6 +31,7 @@ from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.candidates import Candidate, graph_bytes
 from llmx.calibration.matmuls import ROW_SCALES, initializers, read_array, weight_matmuls
+from llmx.calibration.rounding import quantize_importance
 from llmx.calibration.sensitivity import group_keys, nbits_probe, quantized_product, relative_error
 from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
 from llmx.calibration.weight_only import BITS, lookups_from_blocks
@@ -43,6 +46,7 @@ class Source:
     models: dict  # graph name -> weightless proto, its tensors in dir's weights.bin
     scales: dict  # group key -> s folded in (empty: none)
     record: dict = field(default_factory=dict)  # what the manifest says was done
+    importance: bool = False  # 4-bit blocks rounded by importance (rounding.py), else round-to-nearest
     blocks: dict = field(default_factory=dict)  # (weight, bits, block size) -> NBitsWeight (references)
 
 
@@ -90,8 +94,12 @@ class WeightOnlyBuilder:
         out.mkdir(parents=True)
         save_graphs(models, out, sources={name: self.fp32_dir for name in models})
         record = {"groups": len(scales), "per_graph": counts}
-        record = {"awq": record} if candidate.awq else {"smoothquant": {"alpha": candidate.alpha, **record}}
-        return Source(out, {name: load_graph(out / f"{name}.onnx") for name in models}, scales, record)
+        if candidate.awq:  # activation-aware all the way: the scaled weights are rounded by importance too
+            record = {"awq": {**record, "rounding": "importance"}}
+        else:
+            record = {"smoothquant": {"alpha": candidate.alpha, **record}}
+        graphs = {name: load_graph(out / f"{name}.onnx") for name in models}
+        return Source(out, graphs, scales, record, importance=candidate.awq)
 
     def blocks(self, source: Source, weights: list[tuple[str, int]], block_size: int) -> dict[str, NBitsWeight]:
         """Each (weight, bits) of ``source`` as MatMulNBits tensors referencing its blocks file,
@@ -101,9 +109,16 @@ class WeightOnlyBuilder:
         inits = initializers(source.models[self.graph])
         missing = [(w, bits) for w, bits in weights if (w, bits, block_size) not in source.blocks]
         if missing:
+            keys = group_keys(source.models[self.graph])
             with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
                 for weight, bits in missing:
-                    blocks = quantize_blocks(read_array(inits[weight], source.dir), bits, block_size, self.symmetric)
+                    values = read_array(inits[weight], source.dir)
+                    if source.importance and bits == 4 and weight in self.stats().square_sum:
+                        s = source.scales.get(keys[weight])
+                        importance = self.stats().mean_square(weight) / (1.0 if s is None else np.square(s))
+                        blocks = quantize_importance(values, block_size, importance, self.symmetric)
+                    else:
+                        blocks = quantize_blocks(values, bits, block_size, self.symmetric)
                     tensors = []
                     for name, values in blocks.arrays(weight):
                         tensors.append(numpy_helper.from_array(np.ascontiguousarray(values), name))

@@ -1,0 +1,94 @@
+"""Importance-weighted rounding of 4-bit blocks (llama.cpp's "imatrix" idea, in MatMulNBits' layout).
+
+MatMulNBits stores per output column and block of ``block_size`` input rows one float32 scale s
+(and, asymmetric, one integer zero point z in 0..15); a weight is (q - z) * s, z = 8 when absent.
+Any (s, z, q) is representable, so the rounding is ours to choose. ONNX Runtime's round-to-nearest
+takes s from the block's range and spends the same care on every weight. What a quantized MatMul
+gets wrong is its output x @ W, and for roughly uncorrelated inputs a weight's squared error costs
+in proportion to imp_k = mean(x_k^2) over calibration rows. So per block: try a small grid of
+scales around the range-based one (both signs of s for symmetric blocks, so the largest |w| may
+land on -8, the code 4-bit has one more of), round, refit s by importance-weighted least squares
+for those codes, and keep the candidate with the least weighted error. The grid holds ONNX
+Runtime's own scale, so a block is never rounded worse than round-to-nearest by this measure.
+
+Measured on SmolLM2-135M-Instruct, every MatMul at 4 bits, block 32, 16 held-out windows: mean KL
+0.347 with round-to-nearest, 0.187 with this; under AWQ's channel scales (the ``awq`` recipe,
+which rounds with imp / s^2) 0.200 -> 0.159. On a copy with noise breaking the checkpoint's own
+Q4_1 grid: 0.787 -> 0.418. The same search unweighted (plain weight MSE) is no better than
+round-to-nearest: the few loud activation channels are what matters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmx.quant_blocks import Blocks, pack_codes
+
+QMAX = 15  # 4-bit codes 0..15
+SYM_ZERO = 8  # MatMulNBits' default zero point: codes - 8 in -8..7
+# Symmetric grid: s = m / d, m the block's signed largest |w|; d = -8 is round-to-nearest's scale
+# (m on code -8), d = 7 the absmax/7 of most tools; |d| beyond clips, inside wastes the ends.
+SYM_DIVISORS = tuple(np.r_[np.linspace(-9.0, -6.5, 11), np.linspace(6.0, 8.0, 9)])
+# Asymmetric grid: s = (max - min) / (15 + delta), z = round(-min / s).
+ASYM_DELTAS = tuple(np.linspace(-1.5, 3.0, 16))
+IMPORTANCE_FLOOR = 1e-3  # of the mean: channels calibration never excited still count a little
+
+
+def quantize_importance(weight: np.ndarray, block_size: int, importance: np.ndarray, symmetric: bool = True) -> Blocks:
+    """4-bit blocks of ``weight`` [K, N] (for x @ weight) minimizing sum_k imp_k (w_k - s (q_k - z))^2
+    per block; ``importance`` [K]: mean x_k^2 over calibration rows."""
+    x, wt = _blocks(weight, block_size, importance)
+    if symmetric:
+        m = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+        zero = np.full(m.shape, SYM_ZERO, np.float32)
+        candidates = [(m / d, zero) for d in SYM_DIVISORS]
+    else:
+        lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)  # the range holds 0, as ONNX Runtime's does
+        candidates = []
+        for delta in ASYM_DELTAS:
+            s = (hi - lo) / (QMAX + delta)
+            z = np.clip(np.rint(np.where(s > 0, -lo / np.where(s > 0, s, 1), SYM_ZERO)), 0, QMAX).astype(np.float32)
+            candidates.append((s, z))
+    best_s = best_z = best_gain = None
+    for s0, z0 in candidates:
+        s, gain = _refit(x, wt, _inverse(s0), z0[..., None])
+        if best_gain is None:
+            best_s, best_z, best_gain = s, z0, gain
+        else:
+            better = gain > best_gain
+            best_s, best_z = np.where(better, s, best_s), np.where(better, z0, best_z)
+            best_gain = np.maximum(gain, best_gain)
+    q = np.clip(np.rint(x * _inverse(best_s)) + best_z[..., None], 0, QMAX).astype(np.uint8)
+    zero_points = None
+    if not symmetric:
+        z = best_z.astype(np.uint8)
+        if z.shape[1] % 2:
+            z = np.pad(z, ((0, 0), (0, 1)))
+        zero_points = np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))  # block 2j in the low nibble
+    return Blocks(4, pack_codes(q, 4), np.ascontiguousarray(best_s, np.float32), zero_points, block_size)
+
+
+def _blocks(weight: np.ndarray, block_size: int, importance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w as [N, blocks, block_size] (K zero-padded) and each position's weight [blocks, block_size]
+    (the importance normalized to mean 1 and floored; padding counts 0)."""
+    k, n = weight.shape
+    pad = -k % block_size
+    x = np.pad(np.asarray(weight, np.float32), ((0, pad), (0, 0))).T.reshape(n, -1, block_size)
+    imp = np.asarray(importance, np.float64)
+    imp = np.maximum(imp / max(imp.mean(), 1e-30), IMPORTANCE_FLOOR)
+    return np.ascontiguousarray(x), np.pad(imp.astype(np.float32), (0, pad)).reshape(-1, block_size)
+
+
+def _inverse(s: np.ndarray) -> np.ndarray:
+    return np.where(s != 0, 1.0 / np.where(s != 0, s, 1), 0).astype(np.float32)[..., None]
+
+
+def _refit(x: np.ndarray, wt: np.ndarray, inverse: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(least-squares scale for the codes round(x / s) + z, its gain): the weighted error is
+    sum wt x^2 - gain, so a candidate is scored without dequantizing."""
+    c = np.clip(np.rint(x * inverse) + zero, 0, QMAX) - zero
+    wc = wt * c
+    sxc, scc = (wc * x).sum(-1), (wc * c).sum(-1)
+    ok = scc > 0
+    s = np.where(ok, sxc / np.where(ok, scc, 1), 0).astype(np.float32)
+    return s, np.where(ok, sxc * sxc / np.where(ok, scc, 1), 0)
