@@ -97,8 +97,8 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     space = options.search
     if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
         space = replace(space, block_sizes=(options.block_size,))
-    chosen, record, builder = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space, work, log,
-                                progress)
+    chosen, record, builder = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space,
+                                         work, log, progress)
     if not record["met"]:
         best = record["candidates"][record["chosen"]]
         message = (f"no configuration meets the target ({record['measure']}); the best found, {best['label']}, "
