@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, save_graphs
+from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, tensor_bytes
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.candidates import Candidate, graph_bytes
@@ -83,16 +83,32 @@ class WeightOnlyBuilder:
         return self._sources[key]
 
     def _scaled(self, candidate: Candidate, key: tuple) -> Source:
+        """The scaled copy, written one weight at a time (never a whole model in memory)."""
+        import onnx
+
         models = {name: _copy(model) for name, model in self.fp32.items()}
         searched = models[self.graph]
         if candidate.awq:
             scales = awq_scales(searched, self.fp32_dir, self.stats(), candidate.block_size, BITS[self.scheme])
         else:
             scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
-        counts = {name: apply_smoothing(model, self.fp32_dir, scales) for name, model in models.items()}
         out = self.work / "-".join(map(str, key))
         out.mkdir(parents=True)
-        save_graphs(models, out, sources={name: self.fp32_dir for name in models})
+        moved: set[str] = set()  # written to out's weights.bin as made; the rest still reads fp32's
+
+        def store(init) -> None:
+            data.store(init, init.raw_data)
+            moved.add(init.name)
+
+        with WeightsFile(out) as data:  # its (name, content) dedup stores the graphs' shared weights once
+            counts = {name: apply_smoothing(model, self.fp32_dir, scales, store) for name, model in models.items()}
+            for model in models.values():
+                for init in model.graph.initializer:
+                    if init.name not in moved:
+                        data.store(init, tensor_bytes(init, self.fp32_dir))
+        for name, model in models.items():
+            model.ir_version = IR_VERSION
+            onnx.save_model(model, str(out / f"{name}.onnx"))
         record = {"groups": len(scales), "per_graph": counts}
         if candidate.awq:  # activation-aware all the way: the scaled weights are rounded by importance too
             record = {"awq": {**record, "rounding": "importance"}}

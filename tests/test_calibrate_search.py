@@ -49,10 +49,13 @@ def planted(demo_artifact, tmp_path_factory) -> tuple[Path, list[str]]:
 
 
 def decode_logits(artifact: Path, window: list[int]) -> np.ndarray:
-    from llmx.calibration.judge import DecoderJudge
+    """The decode graph's log-probabilities over ``window`` from an empty cache (as the search's judge feeds it)."""
+    from llmx.calibration.judge import DecoderJudge, session
+    from llmx.runtime.sampling import log_softmax
 
-    judge = DecoderJudge(artifact / "decode.onnx", load_manifest(artifact), [window], threads=1)
-    return judge.reference[0]
+    decode = session(artifact / "decode.onnx", 1)
+    feed = DecoderJudge._feed(decode, load_manifest(artifact), window)
+    return log_softmax(decode.run(["logits"], feed)[0][0, :-1])
 
 
 def test_planted_outliers_leave_the_fp32_function_unchanged(planted, demo_artifact):

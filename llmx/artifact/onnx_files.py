@@ -30,7 +30,8 @@ def _onnx():
     return require("onnx", "writing ONNX graphs", "export")
 
 
-def _tensor_bytes(init, base_dir: Path | None) -> bytes:
+def tensor_bytes(init, base_dir: Path | None) -> bytes:
+    """An initializer's raw bytes, read from ``base_dir``'s file when stored outside the graph."""
     onnx = _onnx()
     if init.data_location == onnx.TensorProto.EXTERNAL:
         info = {e.key: e.value for e in init.external_data}
@@ -158,7 +159,7 @@ def save_graphs(graphs: dict[str, "onnx.ModelProto"], out_dir: Path, sources: di
             for init in model.graph.initializer:
                 if append and _in_weights_file(init):
                     continue
-                data.store(init, _tensor_bytes(init, sources.get(name)))
+                data.store(init, tensor_bytes(init, sources.get(name)))
             model.ir_version = IR_VERSION
             onnx.save_model(model, str(out_dir / f"{name}.onnx"))
 
