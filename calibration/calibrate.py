@@ -23,7 +23,6 @@ from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import load_graph
 from llmx.artifact.staging import finish, staged_artifact
 from llmx.calibration import kv_int8, pipeline
-from llmx.calibration.activations import ActivationStats
 from llmx.calibration.data import read_text_data, split_windows, token_windows
 from llmx.calibration.encoder import load_sentences, measure_embeddings
 from llmx.calibration.judge import meets
@@ -87,13 +86,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     work.mkdir()
     paths = pipeline.prepare_fp32(source, work / "fp32")
     feeds = pipeline.make_feeds(source, split.calibration, options.threads)
-    collected: dict[str, ActivationStats] = {}
-
-    def stats() -> ActivationStats:  # w8a8 needs them at once; w8/w4 once a recipe rescales channels or falls back
-        if "stats" not in collected:
-            collected["stats"] = pipeline.statistics(paths, feeds, options, progress)
-        return collected["stats"]
-
+    stats = pipeline.LazyStatistics(paths, feeds, options, progress)
     space = options.search
     if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
         space = replace(space, block_sizes=(options.block_size,))
@@ -107,7 +100,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
             log(format_search(record))
             raise TargetNotMetError(message + "; --force keeps it, or relax --target")
         log(message + " (kept: --force)")
-    return apply(options, chosen), collected.get("stats"), record, builder if options.scheme != "w8a8" else None
+    return apply(options, chosen), stats.collected, record, builder if options.scheme != "w8a8" else None
 
 
 def _quality(measured: dict) -> str:

@@ -141,14 +141,6 @@ class StaticBuilder:
         return out
 
 
-def _copy(model):
-    import onnx
-
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    return copy
-
-
 def by_sensitivity(weights: list[str], sensitivity: dict[str, float]) -> list[str]:
     """Weights from most to least sensitive (ties by graph order)."""
     return [w for _, w in sorted(((-sensitivity[w], i), w) for i, w in enumerate(weights))]

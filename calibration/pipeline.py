@@ -44,17 +44,9 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     if options.scheme != "w8a8":
         if builder is None:
             paths = prepare_fp32(source, work / "fp32")
-            feeds = make_feeds(source, windows, options.threads)
-            collected = [stats]
-
-            def lazy_stats() -> ActivationStats:
-                if collected[0] is None:
-                    collected[0] = statistics(paths, feeds, options, progress)
-                return collected[0]
-
+            lazy = LazyStatistics(paths, make_feeds(source, windows, options.threads), options, progress, stats)
             graph = "embed" if source.manifest.kind == "encoder" else "decode"
-            builder = WeightOnlyBuilder(paths, graph, lazy_stats, options.scheme, options.symmetric,
-                                        work / "weight-only")
+            builder = WeightOnlyBuilder(paths, graph, lazy, options.scheme, options.symmetric, work / "weight-only")
         candidate = Candidate(alpha=options.smoothquant, awq=options.awq, fallback=tuple(options.fallback),
                               block_size=options.block_size)
         models, weights_dir, scaling = builder.graphs(candidate)
@@ -76,6 +68,20 @@ def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progr
     graphs = statistics_graphs(paths, options.scheme)
     with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:
         return collect_stats(graphs, feeds, bar.update, options.threads)
+
+
+class LazyStatistics:
+    """``statistics`` collected on first call (round-to-nearest never needs them; w8a8 at once,
+    w8/w4 once a recipe rescales channels or falls back); ``collected``: them, or None."""
+
+    def __init__(self, paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress,
+                 collected: ActivationStats | None = None):
+        self.paths, self.feeds, self.options, self.progress, self.collected = paths, feeds, options, progress, collected
+
+    def __call__(self) -> ActivationStats:
+        if self.collected is None:
+            self.collected = statistics(self.paths, self.feeds, self.options, self.progress)
+        return self.collected
 
 
 def prepare_fp32(source: Artifact, out: Path) -> dict[str, Path]:

@@ -110,10 +110,9 @@ class Search:
             quality = self.judge.score(scorer, bar.update)
         return quality, self.judge.speed(scorer), size
 
-    def session(self, graph):
+    def session(self, graph: Path):
         scorer = session(graph, self.threads)
-        if isinstance(graph, Path):  # the session holds the weights now; a search writes many graphs
-            self.builder.discard(graph)
+        self.builder.discard(graph)  # the session holds the weights now; a search writes many graphs
         return scorer
 
     def attempt(self, candidate: Candidate, stage: str) -> dict:

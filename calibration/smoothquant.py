@@ -125,11 +125,13 @@ def smoothing_scales(model, base_dir: Path, absmax: dict[str, np.ndarray], alpha
 # -- the transform ---------------------------------------------------------------------------
 
 def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray],
-                    store: Callable[[object], None] | None = None) -> dict[str, int]:
+                    scaled: Callable[[str, Callable[[], np.ndarray]], object] | None = None) -> dict[str, int]:
     """Scale weights by s and their inputs by 1/s, in place. Returns counts of folded/inserted.
 
-    ``store(initializer)``, if given, takes each scaled weight as soon as it is made (to write it
-    out and leave a reference), so no more than one is held in memory."""
+    Scaled weights are kept inline unless ``scaled(name, values)`` is given: it takes a weight's
+    name and a function computing its scaled values and returns the initializer to use (a
+    reference to where it wrote them), so at most one is held in memory, and a weight several
+    graphs share can be computed once."""
     inits = initializers(model)
     users, makers = consumers(model), producers(model)
     counts = {"folded": 0, "inserted": 0}
@@ -139,9 +141,10 @@ def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray],
         if s is None:
             continue
         for w in group.weights:
-            replace_initializer(model, w, read_array(inits[w], base_dir) * s[:, None])
-            if store is not None:
-                store(inits[w])  # replace_initializer filled this same proto
+            if scaled is None:
+                replace_initializer(model, w, read_array(inits[w], base_dir) * s[:, None])
+            else:
+                inits[w].CopyFrom(scaled(w, lambda w=w, s=s: read_array(inits[w], base_dir) * s[:, None]))
             if w + LOOKUP in inits:  # a tied head: its lookup, if it reads the head's blocks, divides by s
                 row_scales[w + ROW_SCALES] = s
         group_nodes = {id(n) for n in users.get(group.activation, []) if n.op_type == "MatMul"}

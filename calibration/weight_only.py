@@ -23,7 +23,7 @@ applied before this step). Quantized weight names follow the fp32 names (``<weig
 from __future__ import annotations
 
 from llmx.calibration.matmuls import LOOKUP, ROW_SCALES
-from llmx.quant_blocks import BITS, CPU_ACCURACY_LEVEL, check_block_size  # noqa: F401 (this stage's names for them)
+from llmx.quant_blocks import BITS, check_block_size  # noqa: F401 (this stage's names for them)
 
 
 def lookups_from_blocks(model, row_scales: dict | None = None) -> int:

@@ -64,9 +64,12 @@ class WeightOnlyBuilder:
         self.fp32_dir = fp32[graph].parent
         self.built = 0
         self._sources: dict[tuple, Source] = {}
+        self._weights = [mm.weight for mm in weight_matmuls(self.fp32[graph])]
+        # weight -> its group's key, how scales are keyed (the same in every scaled copy)
+        self._keys = group_keys(self.fp32[graph])
 
     def weights(self) -> list[str]:
-        return [mm.weight for mm in weight_matmuls(self.fp32[self.graph])]
+        return list(self._weights)
 
     def source(self, candidate: Candidate) -> Source:
         """The fp32 graphs with ``candidate``'s channel scales folded in (one set for all graphs);
@@ -85,6 +88,7 @@ class WeightOnlyBuilder:
     def _scaled(self, candidate: Candidate, key: tuple) -> Source:
         """The scaled copy, written one weight at a time (never a whole model in memory)."""
         import onnx
+        from onnx import numpy_helper
 
         models = {name: _copy(model) for name, model in self.fp32.items()}
         searched = models[self.graph]
@@ -94,17 +98,20 @@ class WeightOnlyBuilder:
             scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
         out = self.work / "-".join(map(str, key))
         out.mkdir(parents=True)
-        moved: set[str] = set()  # written to out's weights.bin as made; the rest still reads fp32's
+        written: dict = {}  # name -> reference into out's weights.bin; the other tensors still read fp32's
 
-        def store(init) -> None:
-            data.store(init, init.raw_data)
-            moved.add(init.name)
+        def scaled(name: str, values: Callable[[], np.ndarray]):
+            if name not in written:  # the graphs share their weights: each is scaled and written once
+                init = numpy_helper.from_array(np.ascontiguousarray(values()), name)
+                data.store(init, init.raw_data)
+                written[name] = init
+            return written[name]
 
-        with WeightsFile(out) as data:  # its (name, content) dedup stores the graphs' shared weights once
-            counts = {name: apply_smoothing(model, self.fp32_dir, scales, store) for name, model in models.items()}
+        with WeightsFile(out) as data:  # its (name, content) dedup also stores the graphs' shared rest once
+            counts = {name: apply_smoothing(model, self.fp32_dir, scales, scaled) for name, model in models.items()}
             for model in models.values():
                 for init in model.graph.initializer:
-                    if init.name not in moved:
+                    if init.name not in written:
                         data.store(init, tensor_bytes(init, self.fp32_dir))
         for name, model in models.items():
             model.ir_version = IR_VERSION
@@ -125,19 +132,18 @@ class WeightOnlyBuilder:
         inits = initializers(source.models[self.graph])
         missing = [(w, bits) for w, bits in weights if (w, bits, block_size) not in source.blocks]
         if missing:
-            keys = group_keys(source.models[self.graph])
             with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
                 for weight, bits in missing:
                     values = read_array(inits[weight], source.dir)
                     if source.importance and bits == 4 and weight in self.stats().square_sum:
-                        s = source.scales.get(keys[weight])
+                        s = source.scales.get(self._keys[weight])
                         importance = self.stats().mean_square(weight) / (1.0 if s is None else np.square(s))
                         blocks = quantize_importance(values, block_size, importance, self.symmetric)
                     else:
                         blocks = quantize_blocks(values, bits, block_size, self.symmetric)
                     tensors = []
-                    for name, values in blocks.arrays(weight):
-                        tensors.append(numpy_helper.from_array(np.ascontiguousarray(values), name))
+                    for name, array in blocks.arrays(weight):
+                        tensors.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
                         data.store(tensors[-1], tensors[-1].raw_data)
                     k = int(inits[weight].dims[0])
                     source.blocks[(weight, bits, block_size)] = NBitsWeight.of(blocks, k, tensors)
@@ -150,11 +156,10 @@ class WeightOnlyBuilder:
         the candidates use."""
         from onnx import numpy_helper
 
-        source, fp32 = self.source(candidate), self.fp32[self.graph]
-        reference, keys = initializers(fp32), group_keys(fp32)
+        source, reference = self.source(candidate), initializers(self.fp32[self.graph])
         found = {}
         for weight in self.weights():
-            s = source.scales.get(keys[weight])
+            s = source.scales.get(self._keys[weight])
             x = rows[weight]
             exact = x @ read_array(reference[weight], self.fp32_dir)
             nbits = self.blocks(source, [(weight, BITS[self.scheme])], candidate.block_size)[weight]
