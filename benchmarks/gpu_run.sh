@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh carry p2 ...     # (the box keeps /tmp while it stays warm)
 #   bash benchmarks/gpu_run.sh main             # onnxruntime-gpu, pytest -m gpu, parity, speed -> $OUT
 #   bash benchmarks/gpu_run.sh rtx              # TensorRT-RTX probe -> $OUT
+#   bash benchmarks/gpu_run.sh suite            # pytest -m gpu alone -> $OUT (carry with NOPREP=1)
 # `prep` (started by the first carry) writes the random-weight checkpoint and builds every artifact
 # and genai model on the CPU while later parts travel; `main` finishes what it could not.
 set -u
@@ -19,9 +20,9 @@ stages() {
   done
 }
 case "${1:-}" in
-split)  # here: the wheels downloaded into .whl/big cut into folders of at most 50 MB
+split)  # here: the wheels downloaded into .whl/big cut into folders of at most 45 MB (with the 16 MB tree, under 64 MiB a call)
   cd .whl && rm -rf p? r? && mkdir -p parts && cd parts && rm -f part_* rtx_*
-  split -b 50000000 ../big/onnxruntime_gpu-*.whl part_
+  split -b 45000000 ../big/onnxruntime_gpu-*.whl part_
   tar -cf - -C ../big $(cd ../big && ls tensorrt_rtx_*.whl) | split -b 50000000 - rtx_
   i=1; for f in part_*; do mkdir -p ../p$i && mv $f ../p$i/; i=$((i + 1)); done
   i=1; for f in rtx_*; do mkdir -p ../r$i && mv $f ../r$i/; i=$((i + 1)); done
@@ -38,7 +39,7 @@ carry)
     esac
   done
   ls -la /tmp/ortparts /tmp/rtxparts
-  if [ ! -e /tmp/prep.tree ]; then
+  if [ -z "${NOPREP:-}" ] && [ ! -e /tmp/prep.tree ]; then
     pkill -f gpu_big.py; sleep 1
     # each call re-syncs the working tree (links made in it vanish): prepare from a copy
     touch /tmp/prep.started /tmp/prep.tree; rm -rf /tmp/tree; mkdir -p /tmp/tree "$WORK"
@@ -68,6 +69,13 @@ main)
   wait $tests; tail -25 "$OUT/pytest_gpu.log"
   python3 benchmarks/gpu_big.py speed --work "$WORK" 2>&1 | tee "$OUT/speed.log"
   cp "$WORK/results.json" "$OUT/results.json" ;;
+suite)  # the GPU tests alone, on the code as it is now: a regression check for a short loan
+  mkdir -p "$OUT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$OUT/gpu.txt"
+  PARTS=/tmp/ortparts SMALL=/tmp/small source benchmarks/gpu_env.sh || exit 1
+  set -o pipefail
+  timeout 420 python3 -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed" ;;
 rtx)
   mkdir -p "$OUT" /tmp/rtxwheels
   cat /tmp/rtxparts/rtx_* | tar -xf - -C /tmp/rtxwheels
