@@ -18,6 +18,7 @@ tokens (the step, plus the prefill spread over the tokens), an encoder's millise
 from __future__ import annotations
 
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +48,30 @@ def session(model, threads: int | None):
     return ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
 
 
+class ArraysOnDisk:
+    """Arrays appended to one file and read back one at a time, by index or in order."""
+
+    def __init__(self, path: Path):
+        self.path, self._layout, self._end = path, [], 0  # layout: (offset, dtype, shape) per array
+        path.write_bytes(b"")
+
+    def append(self, array: np.ndarray) -> None:
+        self._layout.append((self._end, array.dtype, array.shape))
+        with open(self.path, "ab") as f:
+            f.write(np.ascontiguousarray(array).tobytes())
+        self._end += array.nbytes
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        offset, dtype, shape = self._layout[i]
+        return np.fromfile(self.path, dtype, int(np.prod(shape)), offset=offset).reshape(shape)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
 SPEED_CONTEXT = 128  # prompt tokens before the timed step, and tokens of the timed prefill
 STEP_RUNS, PREFILL_RUNS = 24, 3
 
@@ -69,10 +94,13 @@ class DecoderJudge:
         reference = session(fp32_graph, threads)
         self.feeds = [self._feed(reference, manifest, w) for w in windows]
         self.targets = [np.asarray(w[1:]) for w in windows]
-        # float16: the full-vocabulary log-probabilities of every held-out position are most of the
-        # search's memory (SmolLM2, 16 windows: 0.8 GB in float32). Rounding them moves a
-        # perplexity ratio by about 1e-5 and KL by less than its run-to-run noise.
-        self.reference = [log_softmax(reference.run(["logits"], f)[0][0, :-1]).astype(np.float16) for f in self.feeds]
+        # The full-vocabulary log-probabilities of every held-out position would be most of the
+        # search's memory (SmolLM2, 16 windows: 0.8 GB in float32): float16 on disk, one window
+        # read back at a time. Rounding moves a perplexity ratio by about 1e-5 and KL by less
+        # than its run-to-run noise.
+        self.reference = ArraysOnDisk(Path(fp32_graph).with_name("reference-logprobs.f16"))
+        for f in self.feeds:
+            self.reference.append(log_softmax(reference.run(["logits"], f)[0][0, :-1]).astype(np.float16))
         self._speed_feeds(reference, manifest, windows[0])
         self.fp32_speed = self.speed(reference)
 
@@ -99,7 +127,7 @@ class DecoderJudge:
     def score(self, candidate, progress: Callable[[int], None] = lambda n: None, limit: int | None = None) -> dict:
         """Quality on the held-out windows (the first ``limit`` of them)."""
         result = Agreement()
-        for feed, ref, targets in list(zip(self.feeds, self.reference, self.targets))[:limit]:
+        for feed, ref, targets in islice(zip(self.feeds, self.reference, self.targets), limit):
             result.add(ref.astype(np.float32), log_softmax(candidate.run(["logits"], feed)[0][0, :-1]), targets)
             progress(1)
         summary = result.summary()

@@ -131,6 +131,22 @@ def test_unreachable_target_is_refused_with_the_best_found(store, calib_text, tm
     report = json.loads((out_parent / "b" / "quality.json").read_text())
     assert report["meets_target"] is False and report["search"]["met"] is False
     assert "the artifact MISSES the target" in out
+    # the later block sizes are tried at the SmoothQuant alpha the block-128 tier found best
+    rows = report["search"]["candidates"]
+    first, later = rows[:3], rows[3:]
+    assert [r["block_size"] for r in first] == [128] * 3 and [r["block_size"] for r in later] == [32, 16]
+    assert {r["smoothquant"] for r in later} == {min(first, key=lambda r: r["mean_kl"])["smoothquant"]}
+
+
+def test_later_tiers_keep_the_channel_scaling_found_best():
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.search import SearchSpace, narrowed
+
+    minmax, percentile = SearchSpace().recipes("w8a8")
+    assert [c.label() for c in narrowed(percentile, Candidate(method="minmax", alpha=0.8))] == ["percentile+sq0.8"]
+    _, block_32 = SearchSpace().recipes("w4")
+    assert [c.label() for c in narrowed(block_32, Candidate(block_size=128, awq=True))] == ["awq b32"]
+    assert narrowed(percentile, Candidate(method="minmax", alpha=0.3)) == percentile  # none matches: all tried
 
 
 def test_recipes_are_tried_cheapest_first(store, calib_text, tmp_path):
@@ -465,6 +481,46 @@ def test_searched_graph_is_what_onnx_runtimes_quantizer_writes(scheme, tied_fp32
     assert size == sum(v.nbytes for v in ours_t.values())
 
 
+def test_w8a8_fallback_graphs_derived_from_the_recipe_graph_equal_the_quantizers(store, tied_fp32, tmp_path):
+    """A w8a8 recipe is quantized by ONNX Runtime once; a fallback graph derived from it (the
+    MatMuls left out read their activation and fp32 weight again) computes what the quantizer
+    writes when told to skip them."""
+    import onnxruntime as ort
+
+    from llmx.artifact.manifest import load_manifest
+    from llmx.calibration.candidates import fp32_matmuls
+    from llmx.calibration.judge import DecoderJudge
+    from llmx.calibration.matmuls import declare_activation_types, initializers, weight_matmuls
+    from llmx.calibration.static import minmax_ranges, quantize_qdq
+
+    fp32, weights = tied_fp32
+    model = onnx.load_model(str(fp32), load_external_data=False)
+    declare_activation_types(model)  # as calibration prepares its fp32 graphs: the quantizer needs them
+    onnx.save_model(model, str(fp32))
+    rng = np.random.default_rng(0)
+    inits = initializers(model)
+    absmax = {mm.weight: rng.uniform(0.5, 4.0, inits[mm.weight].dims[0]).astype(np.float32) for mm in weight_matmuls(model)}
+    ranges = minmax_ranges(model, absmax)
+    skip = {weights[0], weights[4], weights[-1]}
+    recipe, direct = fp32.with_name("qdq-minmax.onnx"), tmp_path / "direct" / "decode.onnx"
+    direct.parent.mkdir()
+    quantize_qdq(fp32, recipe, ranges, "minmax")
+    quantize_qdq(fp32, direct, ranges, "minmax", skip=skip)
+    derived = onnx.load_model(str(recipe), load_external_data=False)
+    by_node = {mm.node.name: mm.weight for mm in weight_matmuls(model)}
+    fp32_matmuls(derived, {n: w for n, w in by_node.items() if w in skip}, inits)
+    onnx.save_model(derived, str(fp32.with_name("derived.onnx")))
+    ops = [n.op_type for n in derived.graph.node]
+    assert ops.count("QuantizeLinear") == len(weights) - len(skip) == ops.count("MatMul") - len(skip)
+    window = list(range(5, 5 + 24))
+    manifest = load_manifest(store.optimized("llama-tied-llama3rope-bias"))
+    outputs = []
+    for path in (fp32.with_name("derived.onnx"), direct):
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        outputs.append(session.run(["logits"], DecoderJudge._feed(session, manifest, window))[0])
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=0, atol=1e-5 * np.abs(outputs[1]).max())
+
+
 @pytest.mark.parametrize("scheme", ["w8", "w4"])
 def test_weight_only_fallback_precision(scheme, tied_fp32, tmp_path):
     """w8 fallback: an fp32 MatMul (never accuracy level 0, which dequantizes per call); w4 fallback:
@@ -523,3 +579,18 @@ def test_a_search_record_from_before_the_timings_still_prints():
     text = format_search({"measure": "perplexity ratio <= 1.005", "graph": "decode", "held_out": 2, "candidates": [row],
                           "chosen": 0, "sensitivity": {}, "seconds": {"search": 1.0, "reference": 0.5}})
     assert "rtn b128" in text and "<- chosen" in text and "tok/s" not in text and "fp32:" not in text
+
+
+def test_reference_arrays_on_disk_read_back_exactly(tmp_path):
+    from llmx.calibration.judge import ArraysOnDisk
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((3, 5)).astype(np.float16), rng.standard_normal(7).astype(np.float32),
+              rng.standard_normal((2, 2, 2)).astype(np.float16)]
+    stored = ArraysOnDisk(tmp_path / "a.bin")
+    for a in arrays:
+        stored.append(a)
+    assert len(stored) == 3 and (tmp_path / "a.bin").stat().st_size == sum(a.nbytes for a in arrays)
+    for a, b in zip(arrays, stored):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    assert np.array_equal(stored[1], arrays[1])
