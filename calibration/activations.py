@@ -7,7 +7,6 @@ rerunning the fp32 model:
     mean_abs[weight]        per-input-channel mean |X|  AWQ's activation-aware scales
     mean_square[weight]     per-input-channel mean X^2  importance-weighted rounding (rounding.py)
     rows[weight]            a sample of X's rows         AWQ's output-error search
-    gram[weight]            X^T X (w4 only)              GPTQ's rounding (rounding.py)
 
 Keyed by weight name, the one name prefill and decode share for a MatMul.
 """
@@ -32,7 +31,6 @@ class ActivationStats:
     square_sum: dict[str, np.ndarray] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
     rows: dict[str, np.ndarray] = field(default_factory=dict)
-    gram: dict[str, np.ndarray] | None = None  # kept when asked: [K, K] per input, shared by its weights
 
     def merged_absmax(self) -> dict[str, np.ndarray]:
         """Max over all graphs: what one set of smoothing scales for both graphs must cover."""
@@ -48,25 +46,11 @@ class ActivationStats:
     def mean_square(self, weight: str) -> np.ndarray:
         return self.square_sum[weight] / max(1, self.count[weight])
 
-    def hessian(self, weight: str) -> np.ndarray | None:
-        """X^T X / rows of ``weight``'s input, where the rows seen outnumber its inputs (a prefill
-        pass sees the LM head's input at one position per window: too few to invert)."""
-        gram = (self.gram or {}).get(weight)
-        if gram is None or self.count[weight] < 2 * len(gram):
-            return None
-        return gram / self.count[weight]
-
     def add(self, graph: str, weights: list[str], value: np.ndarray, rng: np.random.Generator) -> None:
         flat = value.reshape(-1, value.shape[-1]).astype(np.float32)
         channel_max = np.abs(flat).max(0)
         table = self.absmax.setdefault(graph, {})
         abs_sum, square_sum = np.abs(flat).sum(0, dtype=np.float64), np.square(flat).sum(0, dtype=np.float64)
-        if self.gram is not None:  # one accumulator per input, shared by the weights that read it
-            product = flat.T @ flat
-            if weights[0] in self.gram:
-                self.gram[weights[0]] += product
-            else:
-                self.gram.update(dict.fromkeys(weights, product))
         for weight in weights:
             table[weight] = np.maximum(table[weight], channel_max) if weight in table else channel_max
             self.abs_sum[weight] = self.abs_sum.get(weight, 0) + abs_sum
@@ -89,11 +73,9 @@ def statistics_graphs(paths: dict[str, Path], scheme: str) -> dict[str, Path]:
 
 
 def collect_stats(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
-                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None,
-                  grams: bool = False) -> ActivationStats:
-    """Run each fp32 graph once over its feeds, watching the inputs of its weight MatMuls
-    (``grams``: keeping X^T X too, float32: SmolLM2-135M's inputs take 0.4 GB)."""
-    stats, rng = ActivationStats(gram={} if grams else None), np.random.default_rng(0)
+                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None) -> ActivationStats:
+    """Run each fp32 graph once over its feeds, watching the inputs of its weight MatMuls."""
+    stats, rng = ActivationStats(), np.random.default_rng(0)
     for graph, weights, value in matmul_inputs(graph_paths, feeds, progress, threads, "stats"):
         stats.add(graph, weights, value, rng)
     return stats

@@ -67,7 +67,7 @@ def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progr
     """One fp32 pass over the calibration feeds of the graphs the scheme needs (statistics_graphs)."""
     graphs = statistics_graphs(paths, options.scheme)
     with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:
-        return collect_stats(graphs, feeds, bar.update, options.threads, grams=options.scheme == "w4")
+        return collect_stats(graphs, feeds, bar.update, options.threads)
 
 
 class LazyStatistics:

@@ -38,54 +38,6 @@ def quantize_importance(weight: np.ndarray, block_size: int, importance: np.ndar
     """4-bit blocks of ``weight`` [K, N] (for x @ weight) minimizing sum_k imp_k (w_k - s (q_k - z))^2
     per block; ``importance`` [K]: mean x_k^2 over calibration rows."""
     x, wt = _blocks(weight, block_size, importance)
-    s, z = _grid(x, wt, symmetric)
-    q = np.clip(np.rint(x * _inverse(s)) + z[..., None], 0, QMAX).astype(np.uint8)
-    return _pack(q, s, z, symmetric, block_size)
-
-
-def quantize_gptq(weight: np.ndarray, block_size: int, hessian: np.ndarray, symmetric: bool = True,
-                  damp: float = 0.01, lazy: int = 128) -> Blocks:
-    """4-bit blocks whose codes compensate each other (GPTQ, Frantar et al. 2023) on the grid
-    ``quantize_importance`` picks with imp = diag(hessian).
-
-    The scales (and zero points) are fixed first; then the input rows are rounded in order, each
-    row's rounding error pushed onto the rows not yet rounded through the inverse Hessian, so
-    later weights make up for earlier ones on the calibration inputs. ``hessian``: X^T X / rows
-    [K, K] of the MatMul's input. In input order (no act-order), so no Gather of the input is
-    needed. 1 % damping; lazy batches of ``lazy`` rows. Measured (a study on SmolLM2-135M, every
-    MatMul at 4 bits, block 32, mean KL on 16 held-out windows): importance rounding 0.187, this
-    0.136; on a copy with noise breaking the checkpoint's Q4_1 grid 0.418 -> 0.203."""
-    k, n = weight.shape
-    h = np.array(hessian, np.float64)
-    dead = np.diag(h) <= 0  # inputs calibration never excited: their weights cannot matter there
-    h[dead, dead] = 1.0
-    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
-    x, wt = _blocks(weight, block_size, np.diag(h))
-    s, z = _grid(x, wt, symmetric)
-    # Row j of the upper Cholesky factor of H^-1: how row j's rounding error spreads over later rows.
-    hinv = np.linalg.cholesky(np.linalg.inv(h)).T.astype(np.float32)
-    w = np.array(weight, np.float32)
-    w[dead] = 0
-    scale = np.repeat(s.T, block_size, axis=0)[:k]  # [K, N]: each weight's block scale
-    zero = np.repeat(z.T, block_size, axis=0)[:k]
-    inverse = _inverse(scale)[..., 0]
-    q = np.empty((k, n), np.uint8)
-    for i0 in range(0, k, lazy):
-        i1 = min(i0 + lazy, k)
-        err = np.empty((i1 - i0, n), np.float32)
-        for i in range(i0, i1):
-            qi = np.clip(np.rint(w[i] * inverse[i]) + zero[i], 0, QMAX)
-            q[i] = qi
-            err[i - i0] = (w[i] - (qi - zero[i]) * scale[i]) / hinv[i, i]
-            w[i + 1:i1] -= np.outer(hinv[i, i + 1:i1], err[i - i0])
-        w[i1:] -= hinv[i0:i1, i1:].T @ err
-    pad = -k % block_size
-    codes = np.concatenate([q, np.broadcast_to(z[:, -1].astype(np.uint8), (pad, n))]) if pad else q
-    return _pack(np.ascontiguousarray(codes.T.reshape(n, -1, block_size)), s, z, symmetric, block_size)
-
-
-def _grid(x: np.ndarray, wt: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per block, the (scale, zero point) of the candidate grid with the least weighted error."""
     if symmetric:
         m = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
         zero = np.full(m.shape, SYM_ZERO, np.float32)
@@ -106,18 +58,14 @@ def _grid(x: np.ndarray, wt: np.ndarray, symmetric: bool) -> tuple[np.ndarray, n
             better = gain > best_gain
             best_s, best_z = np.where(better, s, best_s), np.where(better, z0, best_z)
             best_gain = np.maximum(gain, best_gain)
-    return best_s, best_z
-
-
-def _pack(codes: np.ndarray, s: np.ndarray, z: np.ndarray, symmetric: bool, block_size: int) -> Blocks:
-    """Codes [N, blocks, block_size] and per-block s, z [N, blocks] as MatMulNBits' tensors."""
+    q = np.clip(np.rint(x * _inverse(best_s)) + best_z[..., None], 0, QMAX).astype(np.uint8)
     zero_points = None
     if not symmetric:
-        zq = z.astype(np.uint8)
-        if zq.shape[1] % 2:
-            zq = np.pad(zq, ((0, 0), (0, 1)))
-        zero_points = np.ascontiguousarray(zq[:, 0::2] | (zq[:, 1::2] << 4))  # block 2j in the low nibble
-    return Blocks(4, pack_codes(codes, 4), np.ascontiguousarray(s, np.float32), zero_points, block_size)
+        z = best_z.astype(np.uint8)
+        if z.shape[1] % 2:
+            z = np.pad(z, ((0, 0), (0, 1)))
+        zero_points = np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))  # block 2j in the low nibble
+    return Blocks(4, pack_codes(q, 4), np.ascontiguousarray(best_s, np.float32), zero_points, block_size)
 
 
 def _blocks(weight: np.ndarray, block_size: int, importance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

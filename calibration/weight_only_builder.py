@@ -10,9 +10,8 @@ counts), and the artifact is one more. Nothing here holds a model's weights whol
   for them and appended to the source's ``blocks.bin``, so the fallback and per-layer candidates
   of a recipe, and then the artifact, quantize nothing again. The rounding is ONNX Runtime's own
   (``quant_blocks.quantize_blocks``, byte for byte what its MatMulNBitsQuantizer writes), except
-  an AWQ source's 4-bit blocks, activation-aware like its scales: GPTQ's error-compensating codes
-  on the importance-searched grid (rounding.py, with AWQ's s folded into X^T X), or importance
-  weighting alone where calibration saw fewer rows of an input than it has channels;
+  an AWQ source's 4-bit blocks: importance-weighted (rounding.py, with AWQ's s folded into the
+  importance), activation-aware like its scales;
 - a **candidate graph** is a source proto with references into those two files, written beside
   them: ONNX Runtime maps the tensors instead of parsing the model from bytes (SmolLM2-135M's
   decode graph: a session in 0.5 s from a path, 2.1 s from bytes, which also held the model
@@ -32,7 +31,7 @@ from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.candidates import Candidate, graph_bytes
 from llmx.calibration.matmuls import ROW_SCALES, initializers, read_array, weight_matmuls
-from llmx.calibration.rounding import quantize_gptq, quantize_importance
+from llmx.calibration.rounding import quantize_importance
 from llmx.calibration.sensitivity import group_keys, nbits_probe, quantized_product, relative_error
 from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
 from llmx.calibration.weight_only import BITS, lookups_from_blocks
@@ -118,8 +117,8 @@ class WeightOnlyBuilder:
             model.ir_version = IR_VERSION
             onnx.save_model(model, str(out / f"{name}.onnx"))
         record = {"groups": len(scales), "per_graph": counts}
-        if candidate.awq:  # activation-aware all the way: the scaled weights' rounding uses the inputs too
-            record = {"awq": {**record, "rounding": "gptq" if self.stats().gram else "importance"}}
+        if candidate.awq:  # activation-aware all the way: the scaled weights are rounded by importance too
+            record = {"awq": {**record, "rounding": "importance"}}
         else:
             record = {"smoothquant": {"alpha": candidate.alpha, **record}}
         graphs = {name: load_graph(out / f"{name}.onnx") for name in models}
@@ -137,15 +136,9 @@ class WeightOnlyBuilder:
                 for weight, bits in missing:
                     values = read_array(inits[weight], source.dir)
                     if source.importance and bits == 4 and weight in self.stats().square_sum:
-                        # the scaled weight multiplies x / s: its input statistics are divided by s
                         s = source.scales.get(self._keys[weight])
-                        s = np.ones(len(values), np.float64) if s is None else np.asarray(s, np.float64)
-                        hessian = self.stats().hessian(weight)
-                        if hessian is not None:
-                            blocks = quantize_gptq(values, block_size, hessian / np.outer(s, s), self.symmetric)
-                        else:
-                            importance = self.stats().mean_square(weight) / np.square(s)
-                            blocks = quantize_importance(values, block_size, importance, self.symmetric)
+                        importance = self.stats().mean_square(weight) / (1.0 if s is None else np.square(s))
+                        blocks = quantize_importance(values, block_size, importance, self.symmetric)
                     else:
                         blocks = quantize_blocks(values, bits, block_size, self.symmetric)
                     tensors = []

@@ -419,33 +419,6 @@ def test_importance_rounding_beats_round_to_nearest_on_the_kernels_output(symmet
     assert np.all(weighted_error(ours) <= weighted_error(theirs) * (1 + 1e-4) + 1e-6)
 
 
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_gptq_codes_beat_importance_rounding_on_correlated_inputs(symmetric):
-    """GPTQ keeps the importance grid's scales and lets later codes make up for earlier ones'
-    error through X^T X: on correlated inputs the kernel's own output on held-out rows of the same
-    distribution is clearly closer to x @ W; on the calibration rows themselves much closer."""
-    from llmx.calibration.rounding import quantize_gptq, quantize_importance
-    from llmx.calibration.sensitivity import nbits_probe, quantized_product, relative_error
-
-    rng = np.random.default_rng(1)
-    k, n, block = 200, 64, 32  # the last block padded
-    mix = 2 * rng.normal(size=(k, k)).astype(np.float32) / np.sqrt(k) + np.eye(k, dtype=np.float32)
-    calibration, held_out = (rng.normal(size=(rows, k)).astype(np.float32) @ mix for rows in (2048, 512))
-    w = rng.normal(size=(k, n)).astype(np.float32) + (0 if symmetric else 0.5)
-    hessian = calibration.T @ calibration / len(calibration)
-    gptq = quantize_gptq(w, block, hessian, symmetric)
-    damped = np.diag(hessian).astype(np.float64) + 0.01 * np.diag(hessian).mean()  # GPTQ's 1 % damping
-    importance = quantize_importance(w, block, damped, symmetric)
-    assert np.array_equal(gptq.scales, importance.scales)  # the same grid: only the codes differ
-    assert (gptq.zero_points is None) == symmetric and gptq.packed.shape == importance.packed.shape
-
-    def error(blocks, x):
-        return relative_error(x @ w, quantized_product(x, nbits_probe(blocks.initializers("w", k), "w"), 1))
-
-    assert error(gptq, calibration) < 0.7 * error(importance, calibration)
-    assert error(gptq, held_out) < 0.8 * error(importance, held_out)
-
-
 def test_awq_models_are_cached_per_block_size(store, monkeypatch, tmp_path):
     """AWQ's scales are fitted to the blocks they round in: one smoothed model per block size, reused."""
     import llmx.calibration.weight_only_builder as candidates
