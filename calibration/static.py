@@ -66,7 +66,7 @@ def _calibrator(method: str, model_path: Path, tensors: set[str]):
     # (e.g. that decode's logits_to_keep is an initializer and an input, on purpose).
     import onnxruntime as ort
 
-    calibrator.infer_session = ort.InferenceSession(str(augmented), session_options(optimization="none"),
+    calibrator.infer_session = ort.InferenceSession(str(augmented), session_options(optimization="none", prepack=False),
                                                     providers=calibrator.execution_providers)
     return calibrator
 
