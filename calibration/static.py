@@ -66,8 +66,10 @@ def _calibrator(method: str, model_path: Path, tensors: set[str]):
     # (e.g. that decode's logits_to_keep is an initializer and an input, on purpose).
     import onnxruntime as ort
 
-    calibrator.infer_session = ort.InferenceSession(str(augmented), session_options(optimization="none", prepack=False),
-                                                    providers=calibrator.execution_providers)
+    # Unpacked weights: a few calibration runs do not repay a packed copy of the fp32 model, held
+    # beside everything a w8a8 search keeps (its peak on SmolLM2-135M, with feeds.py's prefill).
+    options = session_options(optimization="none", prepack=False)
+    calibrator.infer_session = ort.InferenceSession(str(augmented), options, providers=calibrator.execution_providers)
     return calibrator
 
 
