@@ -21,7 +21,7 @@ import numpy as np
 
 from llmx.artifact.onnx_files import load_graph, save_graphs
 from llmx.calibration.activations import ActivationStats
-from llmx.calibration.matmuls import initializers, read_array, weight_matmuls
+from llmx.calibration.matmuls import drop_unused_initializers, initializers, read_array, weight_matmuls
 from llmx.calibration.sensitivity import PROBE_INPUT, group_keys, probe_model, quantized_product, relative_error
 from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
 from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
@@ -193,10 +193,7 @@ def _prune(model) -> None:
             break
         for n in dead:
             model.graph.node.remove(n)
-    read = {i for n in model.graph.node for i in n.input}
-    unused = [i for i in model.graph.initializer if i.name not in read]
-    for i in unused:
-        model.graph.initializer.remove(i)
+    drop_unused_initializers(model)
 
 
 def by_sensitivity(weights: list[str], sensitivity: dict[str, float]) -> list[str]:
