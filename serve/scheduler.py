@@ -160,6 +160,9 @@ class Scheduler:
             self.engine = self._load_engine()
             if self._load_drafter is not None:
                 self.drafter = self._load_drafter(self.engine)
+            if self.prefix_cache is not None:
+                reserved = self.prefix_cache.reserve(self.engine.backend.new_cache(1, self.prefix_cache.block))
+                log.info("prefix cache: %.1f MiB reserved", reserved / 2**20)
             self._new_batch()
         except Exception as exc:  # noqa: BLE001 -- reported by /ready and every request
             self.load_error, self.load_exception = str(exc) or type(exc).__name__, exc

@@ -137,7 +137,8 @@ def test_a_missed_block_reuses_its_longest_cached_start_among_those_after_the_sa
     small = PrefixCache(2 * sum(e.nbytes for e in entries) // 6 * 4, block=4)  # room for two blocks
     for tokens, kv in zip(variants, kvs):
         small.insert(tokens, kv, 0)
-    assert small.lookup(ids + [9])[0] == 6 and small.evictions == 3 and len(small) == 2  # v1: 3 in, 1 out; v2: 2 in, 2 out
+    assert small.lookup(ids + [9])[0] == 6 and small.evictions == 1 and len(small) == 2  # v1: 2 in (a third would
+    # evict its own start); v2: block 0 shared, its block 1 in for v1's, its block 2 would evict block 0
     assert sum(len(c) for c in small._children.values()) == len(small)  # evicted blocks left their parent's list
 
 
@@ -149,14 +150,14 @@ def test_memory_stays_under_budget_and_chains_lose_their_tails_first(engine):
     ids = engine.encode(SYSTEM)[:17]
     kv = backend.new_cache(1, len(ids))
     backend.prefill(kv, [0], [ids])
-    cache.insert(ids, kv, 0)  # four blocks offered, three fit: the chain's tail went
-    assert len(cache) == 3 and cache.nbytes <= cache.max_bytes and cache.evictions == 1
+    cache.insert(ids, kv, 0)  # four blocks offered, three fit: the chain's tail is not kept
+    assert len(cache) == 3 and cache.nbytes <= cache.max_bytes and cache.evictions == 0
     assert cache.lookup(ids)[0] == 12
     other = engine.encode("import os, sys\n" * 3)[:9]
     kv2 = backend.new_cache(1, len(other))
     backend.prefill(kv2, [0], [other])
     cache.insert(other, kv2, 0)  # two new blocks: the older chain loses its last two blocks
-    assert cache.lookup(ids)[0] == 4 and cache.lookup(other)[0] == 8
+    assert cache.lookup(ids)[0] == 4 and cache.lookup(other)[0] == 8 and cache.evictions == 2
     assert PrefixCache(block_bytes - 1, block=4).insert(ids, kv, 0) == 0  # a block over the budget is never kept
 
 
@@ -206,3 +207,44 @@ def test_the_default_size_follows_the_model_not_a_fixed_256_mb(llama_artifact):
     finally:
         service.scheduler.stop()
     assert default_bytes(manifest, 10**6) == DEFAULT_CAP_BYTES  # a big batch of a big model stays bounded
+
+
+def test_evicted_slots_are_reused_in_place_with_the_new_blocks_kv(engine):
+    """The cache's arrays are sized once; a turned-over cache writes new blocks into the slots
+    evicted ones held (no allocation per block: the heap stays flat under load)."""
+    backend = engine.backend
+    kv = engine.manifest.kv
+    block_bytes = 2 * kv.num_layers * kv.num_kv_heads * 4 * kv.head_dim * 4
+    cache = PrefixCache(2 * block_bytes, block=4)
+    prompts = [engine.encode(text)[:5] for text in ("def f(x):", "class A:\n", "import os\n", "while True:")]
+    caches = []
+    for ids in prompts:
+        one = backend.new_cache(1, len(ids))
+        backend.prefill(one, [0], [ids])
+        caches.append(one)
+        cache.insert(ids, one, 0)
+        if len(caches) == 1:
+            arrays = list(cache._slots)
+    assert [a is b for a, b in zip(cache._slots, arrays)] == [True] * len(arrays) and len(arrays[0]) == 2
+    assert cache.evictions == 2 and len(cache) == 2
+    for gone in prompts[:2]:  # at most a partial start shared with a kept block (BOS)
+        assert (cache.lookup(gone) or (0,))[0] < 4
+    for ids, one in zip(prompts[2:], caches[2:]):
+        hit, entries = cache.lookup(ids)
+        assert hit == 4
+        for mine, ref in zip(entries, one.read(0, 0, 4)):
+            np.testing.assert_array_equal(mine, ref)
+
+
+def test_the_server_reserves_its_prefix_cache_when_the_engine_loads(engine):
+    """Its memory after start-up is its memory under load: every slot exists and was written
+    before the first request, and caching blocks then allocates nothing."""
+    kv = engine.manifest.kv
+    block_bytes = 2 * kv.num_layers * kv.num_kv_heads * 16 * kv.head_dim * 4
+    with scheduler_for(engine, max_batch=2, prefix_cache_bytes=5 * block_bytes + 7) as scheduler:
+        cache = scheduler.prefix_cache
+        assert len(cache) == 0 and sum(a.nbytes for a in cache._slots) == 5 * block_bytes
+        assert all(a.shape[0] == 5 and not a.any() for a in cache._slots)  # touched: zeros written, not just mapped
+        arrays = list(cache._slots)
+        run(scheduler, engine, engine.encode(SYSTEM), max_new_tokens=4, temperature=0)
+        assert len(cache) > 0 and all(a is b for a, b in zip(cache._slots, arrays))

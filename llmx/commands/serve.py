@@ -37,8 +37,8 @@ def register(cli: click.Group) -> None:
                   help="Let ONNX Runtime's threads busy-wait while a graph runs (default: when each thread has a free "
                        "core at start-up; env LLMX_SPIN=0|1).")
     @click.option("--prefix-cache-mb", type=click.IntRange(min=0), default=None,
-                  help="KV memory for reusing shared prompt prefixes across requests (0 turns it off; default: "
-                       "the KV of --max-batch full-context sequences, at most 256).")
+                  help="KV memory for reusing shared prompt prefixes across requests, reserved at start-up (0 turns "
+                       "it off; default: the KV of --max-batch full-context sequences, at most 256).")
     @click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
                   help="On SIGTERM/SIGINT: seconds running requests may take to finish (queued ones end at once).")
     @click.option("--http-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
