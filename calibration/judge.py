@@ -5,7 +5,8 @@ window with an empty cache (it returns logits at every position, the way ``llmx 
 first half-window runs), an encoder's ``embed`` graph fed each held-out sentence. The fp32
 outputs are computed once, here, so a candidate costs one run of its own graph per window.
 
-    decoder: perplexity ratio (<= target), top-1 agreement, mean KL; error = mean KL
+    decoder: perplexity ratio, its upper bound over windows (<= target; llmx.compare), top-1
+             agreement, mean KL; error = mean KL
     encoder: cosine to fp32, mean (>= target) and min (>= 1 - 2 (1 - target)); error = 1 - mean
 
 Speed is measured on the same session, right after: a decoder's single-token step after a
@@ -37,7 +38,13 @@ def meets(quality: dict, target: float) -> bool:
     """Whether a measured quality (search row or final report) holds the target."""
     if "cosine_mean" in quality:
         return quality["cosine_mean"] >= target and quality["cosine_min"] >= 1 - 2 * (1 - target)
-    return quality["perplexity_ratio"] <= target
+    return ratio_bound(quality) <= target
+
+
+def ratio_bound(quality: dict) -> float:
+    """A decoder's perplexity ratio as the target judges it: the upper bound over windows where
+    measured (llmx.compare.ratio_upper_bound)."""
+    return quality.get("perplexity_ratio_upper", quality["perplexity_ratio"])
 
 
 def session(model, threads: int | None):
@@ -131,7 +138,7 @@ class DecoderJudge:
             result.add(ref.astype(np.float32), log_softmax(candidate.run(["logits"], feed)[0][0, :-1]), targets)
             progress(1)
         summary = result.summary()
-        return {k: summary[k] for k in ("perplexity_ratio", "top1_agreement", "mean_kl")}
+        return {k: summary[k] for k in ("perplexity_ratio", "perplexity_ratio_upper", "top1_agreement", "mean_kl")}
 
     @staticmethod
     def error(quality: dict) -> float:
@@ -141,7 +148,7 @@ class DecoderJudge:
     # and how far the target allows.
     @staticmethod
     def excess(quality: dict) -> float:
-        return max(float(np.log(quality["perplexity_ratio"])), 0.0)
+        return max(float(np.log(ratio_bound(quality))), 0.0)
 
     @staticmethod
     def budget(target: float) -> float:

@@ -34,6 +34,7 @@ def measure(reference: Artifact, candidate: Artifact, windows: list[list[int]], 
         "fp32": {"perplexity": result["reference_perplexity"], "graph_bytes": reference.graph_bytes()},
         "quantized": {"perplexity": result["perplexity"], "graph_bytes": candidate.graph_bytes()},
         "perplexity_ratio": result["perplexity_ratio"],
+        "perplexity_ratio_upper": result["perplexity_ratio_upper"],
         "top1_agreement": result["top1_agreement"],
         "mean_kl": result["mean_kl"],
         "tokens": result["tokens"],
@@ -73,6 +74,8 @@ def _format_quality(report: dict) -> str:
         f"({report['tokens']} predictions)",
         f"  {'':18}{'fp32':>12}{scheme:>12}{'change':>10}",
         f"  {'perplexity':18}{fp['perplexity']:>12.3f}{q['perplexity']:>12.3f}{report['perplexity_ratio']:>9.4f}x",
+        *([f"  {'  + 1 s.e.':18}{'':>24}{report['perplexity_ratio_upper']:>9.4f}x  (the windows' spread; the target "
+             "holds this)"] if "perplexity_ratio_upper" in report else []),
         f"  {'top-1 agreement':18}{'':>12}{report['top1_agreement']:>11.2%}",
         f"  {'mean KL (nats)':18}{'':>12}{report['mean_kl']:>12.5f}",
     ]

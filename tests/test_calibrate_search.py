@@ -124,7 +124,7 @@ def test_unreachable_target_is_refused_with_the_best_found(store, calib_text, tm
     out_parent.mkdir()
     code, out, err = run([*args, "-o", str(out_parent / "a")], capsys)
     assert code == 1 and "no configuration meets the target (perplexity ratio <= 0.5)" in error_line(err)
-    assert re.search(r"the best found, (rtn|sq[\d.]+) b(128|32|16), measures perplexity x", error_line(err))
+    assert re.search(r"the best found, (rtn|sq[\d.]+) b(128|64|32|16), measures perplexity x", error_line(err))
     assert "recipe   rtn b128" in err and out == "" and leftovers(out_parent) == []
     code, out, err = run([*args, "-o", str(out_parent / "b"), "--force"], capsys)  # kept, and the report says so
     assert code == 0, err
@@ -134,7 +134,7 @@ def test_unreachable_target_is_refused_with_the_best_found(store, calib_text, tm
     # the later block sizes are tried at the SmoothQuant alpha the block-128 tier found best
     rows = report["search"]["candidates"]
     first, later = rows[:3], rows[3:]
-    assert [r["block_size"] for r in first] == [128] * 3 and [r["block_size"] for r in later] == [32, 16]
+    assert [r["block_size"] for r in first] == [128] * 3 and [r["block_size"] for r in later] == [64, 32, 16]
     assert {r["smoothquant"] for r in later} == {min(first, key=lambda r: r["mean_kl"])["smoothquant"]}
 
 
@@ -144,7 +144,7 @@ def test_later_tiers_keep_the_channel_scaling_found_best():
 
     minmax, percentile = SearchSpace().recipes("w8a8")
     assert [c.label() for c in narrowed(percentile, Candidate(method="minmax", alpha=0.8))] == ["percentile+sq0.8"]
-    _, block_32 = SearchSpace().recipes("w4")
+    *_, block_32 = SearchSpace().recipes("w4")
     assert [c.label() for c in narrowed(block_32, Candidate(block_size=128, awq=True))] == ["awq b32"]
     assert narrowed(percentile, Candidate(method="minmax", alpha=0.3)) == percentile  # none matches: all tried
 
@@ -220,20 +220,21 @@ def test_block_128_is_built_when_it_meets_the_target(store, calib_text, tmp_path
 
 
 def test_block_32_when_only_it_meets_the_target(store, calib_text, tmp_path, capsys):
-    """A target set between the two block sizes' measured ratios: the block-128 tier misses, so the
-    block-32 tier runs after it and is chosen."""
+    """A target set between the block sizes' measured bounds: the block-128 and block-64 tiers
+    miss, so the block-32 tier runs after them and is chosen."""
     args = [*weight_only_args(store, calib_text, "w8"), "--no-fallback", "--force", "--smoothquant", "off"]
     code, out, err = run([*args, "--target", "0.5", "-o", str(tmp_path / "measure")], capsys)
     assert code == 0, err
     rows = json.loads(out)["search"]["candidates"]
-    assert [r["label"] for r in rows] == ["rtn b128", "rtn b32", "rtn b16"]  # 8-bit blocks of 16 decode as fast
-    coarse, fine = (r["perplexity_ratio"] for r in rows[:2])
-    assert coarse > fine  # the premise: on this model the finer blocks are measurably closer to fp32
-    code, out, err = run([*args, "--target", repr((coarse + fine) / 2), "-o", str(tmp_path / "q")], capsys)
+    assert [r["label"] for r in rows] == ["rtn b128", "rtn b64", "rtn b32", "rtn b16"]  # 8-bit blocks of 16 decode fast
+    coarse, middle, fine = (r["perplexity_ratio_upper"] for r in rows[:3])
+    assert min(coarse, middle) > fine  # the premise: on this model block 32 is measurably closer to fp32
+    code, out, err = run([*args, "--target", repr((min(coarse, middle) + fine) / 2), "-o", str(tmp_path / "q")], capsys)
     assert code == 0, err
     search = json.loads(out)["search"]
-    assert [(r["label"], r["meets"]) for r in search["candidates"]] == [("rtn b128", False), ("rtn b32", True)]
-    assert search["chosen"] == 1 and search["met"]
+    assert [(r["label"], r["meets"]) for r in search["candidates"]] == [("rtn b128", False), ("rtn b64", False),
+                                                                       ("rtn b32", True)]
+    assert search["chosen"] == 2 and search["met"]
     assert load_manifest(tmp_path / "q").precision.block_size == 32 and nbits_block_sizes(tmp_path / "q") == {32}
 
 

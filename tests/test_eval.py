@@ -108,6 +108,28 @@ def test_the_shared_comparer_on_known_distributions():
     np.testing.assert_allclose(cosine(np.array([[1.0, 0.0], [1.0, 1.0]]), np.array([[0.0, 2.0], [3.0, 3.0]])), [0, 1])
     assert max_abs_diff(np.array([1.0, -2.0]), np.array([1.5, 1.0])) == 3.0
     assert max_abs_diff(np.zeros((0, 4)), np.zeros((0, 4))) == 0.0
+    assert summary["perplexity_ratio_upper"] == pytest.approx(summary["perplexity_ratio"])  # one window: no spread
+
+
+def test_the_ratio_bound_adds_one_standard_error_of_the_windows_log_ratios():
+    """Windows whose candidate costs differ: the bound is the ratio times exp(sd / sqrt(n)), worked
+    by hand; calibrate's target holds the bound, not the ratio."""
+    from llmx.calibration.judge import meets
+    from llmx.compare import Agreement
+
+    ref = np.log(np.full((2, 2), 0.5))
+    result = Agreement()
+    gains = [0.0, 0.1, 0.3]  # mean NLL the candidate adds in each window (both positions alike)
+    for gain in gains:
+        result.add(ref, ref - gain, np.array([0, 1]))
+    summary = result.summary()
+    assert result.window_log_ratios == pytest.approx(gains)
+    assert summary["perplexity_ratio"] == pytest.approx(np.exp(np.mean(gains)))
+    assert summary["perplexity_ratio_upper"] == pytest.approx(np.exp(np.mean(gains) + np.std(gains, ddof=1) / np.sqrt(3)))
+    quality = {k: summary[k] for k in ("perplexity_ratio", "perplexity_ratio_upper")}
+    between = (summary["perplexity_ratio"] + summary["perplexity_ratio_upper"]) / 2
+    assert not meets(quality, between) and meets(quality, summary["perplexity_ratio_upper"])
+    assert meets({"perplexity_ratio": quality["perplexity_ratio"]}, between)  # a record from before the bound
 
 
 @pytest.mark.parametrize(
