@@ -185,7 +185,9 @@ class Search:
                 low = n
             if left[n] > 0:
                 factor = self.judge.excess(row) / left[n]
-            if high - low <= max(1, high // 8):  # within an eighth of the fewest: not worth more evaluations
+            # within a sixteenth of the fewest: not worth more evaluations (an evaluation is a few
+            # seconds; a MatMul left at 8 bits costs its share of every decode step)
+            if high - low <= max(1, high // 16):
                 return
 
 def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], ActivationStats], held_out: list[list[int]],
