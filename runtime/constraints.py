@@ -31,9 +31,13 @@ from llmx.runtime.json_numbers import NumberBound, NumberState, narrow
 
 KINDS = ("json_object", "json_schema", "regex", "lark", "llguidance")
 JSON_KINDS = ("json_object", "json_schema")
-# Compact JSON (no free whitespace between tokens): a small model given the freedom pads
-# objects with newlines until max_tokens runs out. A schema's own "x-guidance" overrides it.
-JSON_DEFAULTS = {"whitespace_flexible": False}
+# JSON on one line with Python's json.dumps separators (", " and ": "), no other whitespace: a
+# small model given free whitespace pads objects with newlines until max_tokens runs out, and
+# compact separators ("," and ":") are the spelling models see least, which also left prompt
+# lookup nothing to copy when the prompt quotes JSON the usual way (SmolLM2-135M rewriting a
+# json.dumps record: 13 % of drafts kept with "," and ":", 98 % with these). A schema's own
+# "x-guidance" overrides them.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 256 * 1024
 PURPOSE = "constrained decoding (response_format, --json-schema, --regex, --grammar)"
 

@@ -125,7 +125,7 @@ def test_json_numbers_close_even_when_digits_are_forced(engine, kind):
                             constraint=compiled(engine, ConstraintSpec.json_schema(schema)))
     seq = run(engine, ["x = "], params)[0]
     assert seq.finish_reason == "stop", seq.text
-    text = re.fullmatch(r'\{"n":(.*)\}', seq.text).group(1)
+    text = re.fullmatch(r'\{"n": (.*)\}', seq.text).group(1)
     integer, fraction, exponent = re.fullmatch(r"-?([0-9]+)(?:\.([0-9]+))?(?:[eE][+-]?([0-9]+))?", text).groups()
     assert len(integer) == INT_DIGITS  # digits run to the bound, then the number closes
     assert len(fraction or "") <= FRACTION_DIGITS and len(exponent or "") <= EXPONENT_DIGITS
@@ -137,9 +137,10 @@ def test_json_number_bound_spares_strings_and_schemas_that_need_more_digits(engi
     digits = _digit_tokens(engine)
     one = next(t for t in digits if engine.tokenizer.decode([t]) == "1")
     m = compiled(engine, ConstraintSpec.json_object()).matcher()
-    for token in engine.tokenizer.encode('{"a":"', add_special_tokens=False) + [one] * 30:
+    for token in engine.tokenizer.encode('{"a": "', add_special_tokens=False) + [one] * 30:
         assert m.mask()[token] and m.advance(token)  # digits in a string are text, never bounded
-    big = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**18, "maximum": 2 * 10**18}}, "required": ["n"]}
+    big = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10**18, "maximum": 2 * 10**18}},
+           "required": ["n"], "additionalProperties": False}  # digit-biased keys after n would run to max_tokens
     seq = run(engine, ["x = "], SamplingParams(max_new_tokens=60, temperature=0, logit_bias=digits,
                                              constraint=compiled(engine, ConstraintSpec.json_schema(big))))[0]
     assert json.loads(seq.text)["n"] >= 10**18  # the schema's own 19 digits win over the bound
@@ -197,7 +198,7 @@ def test_masks_prefetched_during_the_model_step_equal_computed_ones(engine):
 
     c = compiled(engine, ConstraintSpec.json_schema(PERSON))
     a, b = c.matcher(), c.matcher()
-    for token in engine.tokenizer.encode('{"name":"x', add_special_tokens=False):
+    for token in engine.tokenizer.encode('{"name": "x', add_special_tokens=False):
         assert a.advance(token) and b.advance(token)
     prefetch_masks([a]).result()
     assert np.array_equal(a.mask(), b.mask()) and a.mask().sum() > 1
