@@ -10,7 +10,8 @@ artifact's from those blocks. ``accuracy_level`` 4 lets the CPU kernel multiply 
 without it 8-bit weights are dequantized to fp32 on every call.
 
 Per-MatMul precision (the search's fallback, keyed by weight name): under w8 a ``fallback``
-weight stays an fp32 MatMul; under w4 it gets 8-bit instead of 4-bit weights. Both stay fast:
+weight stays an fp32 MatMul; under w4 it gets 8-bit instead of 4-bit weights (in blocks of 64, or
+the recipe's when larger: weight_only_builder.FALLBACK_BLOCK_8BIT). Both stay fast:
 ``accuracy_level`` 0 (fp32 compute from INT8 weights) dequantizes the whole weight on every
 call and measured 10x slower than the fp32 MatMul and 25x slower than level 4 on this CPU
 (576x6144, one row), so no fallback uses it.

@@ -525,10 +525,10 @@ def test_w8a8_fallback_graphs_derived_from_the_recipe_graph_equal_the_quantizers
 @pytest.mark.parametrize("scheme", ["w8", "w4"])
 def test_weight_only_fallback_precision(scheme, tied_fp32, tmp_path):
     """w8 fallback: an fp32 MatMul (never accuracy level 0, which dequantizes per call); w4 fallback:
-    8-bit weights; outside a per-layer graph's weights: fp32. Every MatMulNBits computes at
+    8-bit weights in blocks of FALLBACK_BLOCK_8BIT; outside a per-layer graph's weights: fp32. Every MatMulNBits computes at
     accuracy level 4. The artifact's graphs are the searched graph's."""
     from llmx.calibration.candidates import Candidate
-    from llmx.calibration.weight_only_builder import WeightOnlyBuilder
+    from llmx.calibration.weight_only_builder import FALLBACK_BLOCK_8BIT, WeightOnlyBuilder
 
     fp32, weights = tied_fp32
     builder = WeightOnlyBuilder({"decode": fp32}, "decode", None, scheme, True, tmp_path / "work")
@@ -541,13 +541,17 @@ def test_weight_only_fallback_precision(scheme, tied_fp32, tmp_path):
         nodes = {n.input[1].rsplit("_Q", 1)[0]: n for n in out.graph.node if n.op_type == "MatMulNBits"}
         level = {w: {a.name: a.i for a in n.attribute}.get("accuracy_level", 0) for w, n in nodes.items()}
         bits = {w: {a.name: a.i for a in n.attribute}["bits"] for w, n in nodes.items()}
+        blocks = {w: {a.name: a.i for a in n.attribute}["block_size"] for w, n in nodes.items()}
         assert set(nodes) == quantized and set(level.values()) == {4}
         fp32_matmuls = {n.input[1] for n in out.graph.node if n.op_type == "MatMul"}
         assert fp32_matmuls == set(weights) - quantized
-        if out is searched and scheme == "w4":
+        if out is searched and scheme == "w4":  # the 8-bit rung in wider blocks: fewer scales, as close
             assert bits[held] == 8 and all(bits[w] == 4 for w in nodes if w != held)
+            assert blocks[held] == FALLBACK_BLOCK_8BIT and all(blocks[w] == 32 for w in nodes if w != held)
         elif out is searched:
-            assert set(bits.values()) == {8}
+            assert set(bits.values()) == {8} and set(blocks.values()) == {32}
+        else:
+            assert set(blocks.values()) == {32}
 
 
 def test_sensitivity_groups_weights_by_layer_and_the_lm_head_alone():
