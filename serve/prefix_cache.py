@@ -66,8 +66,7 @@ class PrefixCache:
         # a partial match needs the first token, and so a lookup scans only blocks that have it.
         self._children: dict[tuple[bytes, int], set[bytes]] = {}
         self._slots: list[np.ndarray] = []  # per cache buffer: [slots, kv_heads, block, head_dim]
-        self._free: list[int] = []  # slots to reuse (written before: their pages are resident)
-        self._unused = 0  # slots from here on were never written
+        self._free: list[int] = []  # slots holding no block, the next one taken last
         self.block_bytes = 0
         self.nbytes = 0
         self.evictions = 0
@@ -159,6 +158,7 @@ class PrefixCache:
         count = self.max_bytes // self.block_bytes
         if count:
             self._slots = [np.empty((count, *e.shape), e.dtype) for e in entries]
+            self._free = list(range(count - 1, -1, -1))  # slot 0 first; an evicted slot is reused next
         return count > 0
 
     def _entries(self, key: bytes) -> list[np.ndarray]:
@@ -172,9 +172,6 @@ class PrefixCache:
             return None
         if self._free:
             return self._free.pop()
-        if self._unused < len(self._slots[0]):
-            self._unused += 1
-            return self._unused - 1
         oldest = next(iter(self._blocks), None)
         if oldest is None or oldest in keep:
             return None
