@@ -1,14 +1,16 @@
 """A big model side by side (issue 33): llmx's export and decode against llama.cpp's and onnxruntime-genai's.
 
     python benchmarks/big_model.py [--shape tiny|tinyllama-1.1b|qwen3-4b|llama3.1-8b] [--work DIR]
-                                   [--steps w4,fp16,generate,llama,decode,genai] [--rounds 2] [--keep]
+                                   [--steps w4,fp16,generate,llama,decode,genai,calibrate] [--rounds 2] [--keep]
+                                   [--calibrate-samples 8]
 
 On big_export.py's random-weight bf16 checkpoint of ``--shape`` (built once into WORK/ckpt-SHAPE,
 reused and never deleted here: an 8B one takes long to write), each step runs in a niced child
 process whose RSS is sampled over its process tree (big_export.RssSampler) and whose kernel peak
 (ru_maxrss, the largest of its processes) comes from GNU time (see measure: getrusage(RUSAGE_CHILDREN)
 here would count this script's own RSS and keep the largest of all earlier steps); the table shows
-the larger of the two. Step output goes to WORK/logs/STEP.log. Steps (``--steps``; default all but genai):
+the larger of the two. Step output goes to WORK/logs/STEP.log. Steps (``--steps``; default all but genai
+and calibrate):
 
   w4        llmx export CKPT -o ART_w4 --precision w4
   fp16      llmx export CKPT -o ART_fp16 --precision fp16 (skipped if the CLI refuses fp16);
@@ -35,6 +37,10 @@ the larger of the two. Step output goes to WORK/logs/STEP.log. Steps (``--steps`
             pip pulls CUDA): python3 -m venv benchmarks/.peers-venv && benchmarks/.peers-venv/bin/pip
             install onnxruntime-genai==0.18.0 onnx-ir==1.1.0 torch==2.13.0 transformers==5.23.0
             safetensors==0.8.0 numpy==2.4.6 onnx==1.23.2
+  calibrate llmx export CKPT -o ART_fp32 --graphs fused (streamed fp32, 32 GB at 8B; deleted after), then
+            llmx calibrate ART_fp32 --scheme w4 --samples N --eval-samples N (N: --calibrate-samples) on stdlib
+            text, default flags otherwise: a model this size runs its fp32 graphs a layer at a time by itself.
+            Reports the peak against issue 34's bound, the calibrated artifact + 2 GiB
 
 Prints a step table and a decode table and writes benchmarks/results/big_model_SHAPE_DATE.json.
 Refuses to start when MemAvailable is below what the shape needs: 8B runs must run alone.
@@ -68,8 +74,9 @@ GNU_TIME = Path("/usr/bin/time")
 NICE = ["nice", "-n", "10"]  # as big_export.run_export: the box is shared; every step alike, so speeds compare
 THREADS = "2"
 PROMPT = "The history of the printing press begins"
-STEPS = ["w4", "fp16", "generate", "llama", "decode", "genai"]
-DEFAULT_STEPS = [s for s in STEPS if s != "genai"]  # genai: only for shapes where issue 33 asks for it
+STEPS = ["w4", "fp16", "generate", "llama", "decode", "genai", "calibrate"]
+# genai: only for shapes where issue 33 asks for it; calibrate: issue 34's, 30+ GB of fp32 artifact at 8B
+DEFAULT_STEPS = [s for s in STEPS if s not in ("genai", "calibrate")]
 
 # llama.cpp's converter with its tokenizer detection patched (see the docstring); argv: LLAMA_CPP_DIR, converter args.
 CONVERT = r"""
@@ -236,6 +243,45 @@ def genai(work, ckpt, shape, keep) -> dict:
     return result
 
 
+def calibrate(work: Path, ckpt: Path, shape: str, samples: int, keep: bool) -> dict:
+    """Issue 34's 8B-shape w4 calibration: the fused fp32 artifact (streamed, no trace), then
+    ``llmx calibrate --scheme w4`` with default flags but ``samples`` calibration and held-out
+    windows, on stdlib text. Its peak against the bound: the quantized artifact + 2 GiB."""
+    import inspect
+    import json as json_module
+    import shutil as shutil_module
+
+    text = work / "calibrate-text.txt"
+    text.write_text("\n".join(inspect.getsource(m) for m in (argparse, json_module, shutil_module, statistics)))
+    fp32, out = work / f"art-{shape}-fp32", work / f"art-{shape}-w4-calibrated"
+    found = {"export_fp32": measure(work, "export_fp32", [*NICE, LLMX, "export", ckpt, "-o", fp32, "--force",
+                                                           "--graphs", "fused"])}
+    if found["export_fp32"]["rc"]:
+        return {"export_fp32": {**found["export_fp32"], "error": failed(found["export_fp32"])}}
+    found["export_fp32"]["output_bytes"] = size(fp32)
+    r = measure(work, "calibrate_w4", [*NICE, LLMX, "calibrate", fp32, "--data", text, "--scheme", "w4", "-o", out,
+                                       "--force", "--samples", str(samples), "--eval-samples", str(samples),
+                                       "--threads", THREADS, "--json"])
+    if not keep:
+        remove(fp32)
+    if r["rc"]:
+        return {**found, "calibrate_w4": {**r, "error": failed(r)}}
+    report = json_module.loads(r["stdout"].strip().splitlines()[-1])
+    artifact = size(out)
+    search = report.get("search", {})
+    chosen = search.get("candidates", [{}])[search.get("chosen", 0)] if search else {}
+    r.update(output_bytes=artifact, bound_bytes=artifact + 2 * GIB, within_bound=r["peak_rss_bytes"] <= artifact + 2 * GIB,
+             perplexity_ratio=report["perplexity_ratio"], perplexity_ratio_upper=report.get("perplexity_ratio_upper"),
+             meets_target=report.get("meets_target"), chosen=chosen.get("label"), candidates=len(search.get("candidates", [])),
+             layered=report["options"].get("layered"),
+             notes=f"{'layered' if report['options'].get('layered') else 'whole graphs'}; peak / (artifact + 2 GiB) "
+                   f"{r['peak_rss_bytes'] / (artifact + 2 * GIB):.2f}; chosen {chosen.get('label')}; "
+                   f"ppl x{report['perplexity_ratio']:.4f}")
+    if not keep:
+        remove(out)
+    return {**found, "calibrate_w4": r}
+
+
 def needed_bytes(params: int, steps: list[str]) -> int:
     # A guard, not a prediction: one 16-bit copy of the weights (the largest file any step reads or writes)
     # plus 2 GiB; the genai builder loads the whole model with transformers' from_pretrained: an fp32 copy.
@@ -267,6 +313,7 @@ def main() -> None:
     parser.add_argument("--steps", default=",".join(DEFAULT_STEPS), help=f"comma list of {','.join(STEPS)}")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved decode rounds")
     parser.add_argument("--keep", action="store_true", help="keep the artifacts and GGUFs (the checkpoint is always kept)")
+    parser.add_argument("--calibrate-samples", type=int, default=8, help="calibration and held-out windows (calibrate step)")
     args = parser.parse_args()
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     if unknown := set(steps) - set(STEPS):
@@ -310,6 +357,8 @@ def main() -> None:
             decoded = {"skipped": "no Q4_0/Q4_K_M GGUFs (run the llama step) or llama.cpp tools missing"}
         else:
             decoded = decode(work, art_w4, ggufs, args.rounds)
+    if "calibrate" in steps:
+        r.update(calibrate(work, ckpt, args.shape, args.calibrate_samples, args.keep))
     if "genai" in steps:
         r["genai_int4"] = (genai(work, ckpt, args.shape, args.keep) if GENAI_PYTHON.is_file() else
                            {"skipped": f"no {GENAI_PYTHON.parent.parent} (see big_model.py's docstring)"})
@@ -330,7 +379,8 @@ def main() -> None:
     names = {"export_w4": "llmx export --precision w4", "export_fp16": "llmx export --precision fp16",
              "generate_w4": "llmx generate w4 (32 tokens, 2 threads)", "convert_f16": "llama.cpp convert_hf_to_gguf f16",
              "quantize_Q4_0": "llama-quantize Q4_0", "quantize_Q4_K_M": "llama-quantize Q4_K_M",
-             "llama_convert_plus_Q4_0": "llama.cpp convert + Q4_0", "genai_int4": "onnxruntime-genai builder int4"}
+             "llama_convert_plus_Q4_0": "llama.cpp convert + Q4_0", "genai_int4": "onnxruntime-genai builder int4",
+             "export_fp32": "llmx export --graphs fused (fp32)", "calibrate_w4": "llmx calibrate --scheme w4"}
     print(f"\n{args.shape}: {params / 1e9:.3f}B parameters\n\n| step | wall s | peak RSS GiB | artifact/output GiB | notes |"
           "\n|---|---|---|---|---|")
     for key, name in names.items():

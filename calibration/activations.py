@@ -13,6 +13,7 @@ Keyed by weight name, the one name prefill and decode share for a MatMul.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -73,9 +74,13 @@ def statistics_graphs(paths: dict[str, Path], scheme: str) -> dict[str, Path]:
 
 
 def collect_stats(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
-                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None) -> ActivationStats:
-    """Run each fp32 graph once over its feeds, watching the inputs of its weight MatMuls."""
-    stats, rng = ActivationStats(), np.random.default_rng(0)
-    for graph, weights, value in matmul_inputs(graph_paths, feeds, progress, threads, "stats"):
+                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None,
+                  layered: bool = False) -> ActivationStats:
+    """Run each fp32 graph once over its feeds (whole, or a layer at a time), watching the inputs
+    of its weight MatMuls."""
+    stats, rngs = ActivationStats(), {}
+    for graph, weights, value in matmul_inputs(graph_paths, feeds, progress, threads, "stats", layered):
+        # one generator per input, so the sampled rows do not depend on the order the layers come in
+        rng = rngs.setdefault(weights[0], np.random.default_rng(zlib.crc32(weights[0].encode())))
         stats.add(graph, weights, value, rng)
     return stats

@@ -26,13 +26,15 @@ from llmx.calibration import kv_int8, pipeline
 from llmx.calibration.data import read_text_data, split_windows, token_windows
 from llmx.calibration.encoder import load_sentences, measure_embeddings
 from llmx.calibration.judge import meets, ratio_bound
+from llmx.calibration.layered import largest_stage_bytes
 from llmx.calibration.matmuls import is_quantized
 from llmx.calibration.options import UNSEARCHED_BLOCK_SIZE, CalibrationOptions
 from llmx.calibration.progress import Progress, silent
-from llmx.calibration.report import measure, write_report
+from llmx.calibration.report import layered_reference, measure, write_report
 from llmx.calibration.search import TargetNotMetError, apply, format_search, run_search
 from llmx.errors import ArtifactError, InputError
-from llmx.memory_budget import GiB, Need, check_fits
+from llmx import memory_budget
+from llmx.memory_budget import GiB, Need, check_fits, gib
 from llmx.runtime.tokenizer import Tokenizer
 
 
@@ -46,7 +48,10 @@ def calibrate_artifact(src: str | Path | Artifact, out: str | Path, data: str | 
         options = replace(options, block_size=UNSEARCHED_BLOCK_SIZE)
     source = Artifact.of(src)
     check_unquantized(source)
-    check_calibration_fits(source, out, options)
+    options = check_calibration_fits(source, out, options)
+    if options.layered:
+        log(f"{options.label}: running the fp32 graphs one layer at a time ({gib(source.size_bytes())} of weights; "
+            f"{gib(memory_budget.available_memory())} of memory available)")
     encoder = source.manifest.kind == "encoder"
     if encoder:
         if options.kv_cache != "float32":
@@ -64,7 +69,7 @@ def calibrate_artifact(src: str | Path | Artifact, out: str | Path, data: str | 
                                                               log, progress)
         new = _build(source, split, options, Path(work), tmp, stats, log, progress, builder)
         new.precision.data = data_record
-        report = _report(source, Artifact(tmp, new), split, options, eval_data, log, progress)
+        report = _report(source, Artifact(tmp, new), split, options, eval_data, log, progress, Path(work))
         report["calibration_seconds"] = round(time.perf_counter() - started, 1)
         if searched is not None:
             report["search"] = searched
@@ -84,14 +89,17 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     """(options for the recipe the search picked, the activation statistics, the search record,
     the w8/w4 builder whose blocks the artifact reuses, if any)."""
     work.mkdir()
-    paths = pipeline.prepare_fp32(source, work / "fp32")
+    paths = pipeline.prepare_fp32(source, work / "fp32", share_weights=bool(options.layered))
+    reference = pipeline.reference_graphs(source, paths, options)
     feeds = pipeline.make_feeds(source, split.calibration, options.threads)
-    stats = pipeline.LazyStatistics(paths, feeds, options, progress)
+    stats = pipeline.LazyStatistics(reference, feeds, options, progress)
     space = options.search
+    if options.layered:  # a scaled recipe (AWQ, SmoothQuant) writes a scaled fp32 copy of every weight
+        space = replace(space, awq=(False,), alphas=(None,))
     if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
         space = replace(space, block_sizes=(options.block_size,))
     chosen, record, builder = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space,
-                                         work, log, progress)
+                                         work, log, progress, reference)
     if not record["met"]:
         best = record["candidates"][record["chosen"]]
         message = (f"no configuration meets the target ({record['measure']}); the best found, {best['label']}, "
@@ -124,13 +132,21 @@ def _build(source: Artifact, split, options: CalibrationOptions, work: Path, tmp
 
 
 def _report(source: Artifact, candidate: Artifact, split, options: CalibrationOptions, eval_data, log,
-            progress: Progress) -> dict:
+            progress: Progress, work: Path) -> dict:
     encoder = source.manifest.kind == "encoder"
     unit = "sentences" if encoder else "windows"
     log(f"measuring quality on {len(split.evaluation)} held-out {unit}")
+    if options.layered:
+        with progress("fp32 reference, a layer at a time", len(split.evaluation)) as bar:
+            reference = layered_reference(source, split.evaluation, options.threads, work / "report-reference.f32",
+                                          bar.update)
+    else:
+        reference = None
     with progress("evaluating", len(split.evaluation)) as bar:
-        score = measure_embeddings if encoder else measure
-        measured = score(source, candidate, split.evaluation, options.threads, bar.update)
+        if encoder:
+            measured = measure_embeddings(source, candidate, split.evaluation, options.threads, bar.update)
+        else:
+            measured = measure(source, candidate, split.evaluation, options.threads, bar.update, reference)
     source_text = str(eval_data) if eval_data else f"held-out tail of {candidate.manifest.precision.data['source']}"
     return {"scheme": options.scheme, "label": options.label, "kv_cache": options.kv_cache, "options": asdict(options),
             "evaluation": {"source": source_text, unit: len(split.evaluation), "seq_len": split.seq_len}, **measured}
@@ -159,17 +175,41 @@ def load_windows(source: Artifact, data, eval_data, options: CalibrationOptions)
 # models), the quantized copy and ONNX Runtime's sessions for the quality report: a Qwen3-4B
 # artifact (16 GB of weights) was killed at 24.2 GB by `--scheme w4 --no-search` (issue 33).
 CALIBRATE_PEAK = 1.6  # x the fp32 weights, at least: the measured kill
+# Layer by layer (layered.py) the peak is the larger of one stage's fp32 weights (mapped, not
+# packed) and a candidate's session: its blocks packed, about the quantized artifact's size.
+QUANTIZED_SHARE = {"w8": 0.3, "w4": 0.17}  # of the fp32 bytes: bits/32, plus scales and fallbacks
 
 
-def check_calibration_fits(source: Artifact, out: str | Path, options: CalibrationOptions) -> None:
-    """Refuse, before reading anything, a calibration that cannot fit in memory, naming the
-    streaming export that writes the same --no-search blocks of a weight-only scheme."""
+def check_calibration_fits(source: Artifact, out: str | Path, options: CalibrationOptions) -> CalibrationOptions:
+    """Refuse, before reading anything, a calibration that cannot fit in memory; returns the
+    options with ``layered`` decided: a weight-only decoder whose fp32 graphs do not fit runs
+    them a layer at a time."""
+    can_layer = (options.scheme in ("w8", "w4") and source.manifest.kind == "decoder"
+                 and options.kv_cache == "float32")
+    whole = Need(int(CALIBRATE_PEAK * source.size_bytes()) + GiB, 0)  # memory only: the output is smaller
+    if options.layered is None:
+        options = replace(options, layered=can_layer and whole.memory > memory_budget.available_memory())
+    if options.layered and not can_layer:
+        raise InputError("layer-by-layer calibration applies to decoders with weight-only schemes (w8, w4) "
+                         "and a float32 KV cache")
+    if options.layered and (options.awq or options.smoothquant is not None):
+        raise InputError("--awq and --smoothquant write a scaled fp32 copy of every weight, which a model "
+                         "calibrated layer by layer has no room for; leave them to the search (round-to-nearest "
+                         "and 8-bit fallbacks at this size)")
+    if options.layered:
+        stage = max(largest_stage_bytes(load_graph(source.graph_path(name))) for name in source.manifest.graphs)
+        quantized = int(QUANTIZED_SHARE[options.scheme] * source.size_bytes())
+        hint = (f"`llmx export CHECKPOINT -o DIR --precision {options.scheme}` writes the round-to-nearest blocks "
+                "of --no-search streaming the checkpoint a tensor at a time")
+        # disk: the artifact, and the blocks of each block size the search tries (written once, kept)
+        need = Need(max(stage, quantized) + GiB, 4 * quantized)
+        check_fits(f"calibrating {source.root.name} ({options.label}) layer by layer", need, out, hint=hint)
+        return options
     hint = "free memory (other processes hold it) or use a machine with more"
-    if options.scheme in ("w8", "w4") and source.manifest.kind == "decoder":
-        hint = (f"`llmx export CHECKPOINT -o DIR --precision {options.scheme}` writes the round-to-nearest blocks of "
-                "--no-search streaming the checkpoint a tensor at a time (no fp32 artifact, a few GiB)")
-    need = Need(int(CALIBRATE_PEAK * source.size_bytes()) + GiB, 0)  # memory only: the output is smaller than the source
-    check_fits(f"calibrating {source.root.name} ({options.label})", need, out, hint=hint)
+    if can_layer:
+        hint += "; --layered runs the fp32 graphs a layer at a time"
+    check_fits(f"calibrating {source.root.name} ({options.label})", whole, out, hint=hint)
+    return options
 
 
 def check_unquantized(source: Artifact) -> None:

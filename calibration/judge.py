@@ -21,13 +21,14 @@ from __future__ import annotations
 import time
 from itertools import islice
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from llmx.artifact.manifest import Manifest
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import decode_feed
+from llmx.calibration.layered import opens, outputs_each
 from llmx.compare import Agreement, cosine
 from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.runtime.onnx_backend import session_options
@@ -96,20 +97,23 @@ def median_ms(run: Callable[[], object], runs: int) -> float:
 class DecoderJudge:
     graph = "decode"
 
-    def __init__(self, fp32_graph: Path, manifest: Manifest, windows: list[list[int]], threads: int | None):
+    def __init__(self, fp32_graph: Path, manifest: Manifest, windows: list[list[int]], threads: int | None,
+                 layered: bool = False, scratch: Path | None = None):
+        """``layered``: the fp32 graph runs a layer at a time (layered.py), and is not timed.
+        ``scratch``: where the reference goes on disk (default: beside the graph)."""
         self.threads = threads
-        reference = session(fp32_graph, threads)
+        reference = opens(fp32_graph, threads, layered)
         self.feeds = [self._feed(reference, manifest, w) for w in windows]
         self.targets = [np.asarray(w[1:]) for w in windows]
         # The full-vocabulary log-probabilities of every held-out position would be most of the
         # search's memory (SmolLM2, 16 windows: 0.8 GB in float32): float16 on disk, one window
         # read back at a time. Rounding moves a perplexity ratio by about 1e-5 and KL by less
         # than its run-to-run noise.
-        self.reference = ArraysOnDisk(Path(fp32_graph).with_name("reference-logprobs.f16"))
-        for f in self.feeds:
-            self.reference.append(log_softmax(reference.run(["logits"], f)[0][0, :-1]).astype(np.float16))
+        self.reference = ArraysOnDisk(Path(scratch or Path(fp32_graph).parent) / "reference-logprobs.f16")
+        for logits in outputs_each(reference, "logits", self.feeds):
+            self.reference.append(log_softmax(logits[0, :-1]).astype(np.float16))
         self._speed_feeds(reference, manifest, windows[0])
-        self.fp32_speed = self.speed(reference)
+        self.fp32_speed = None if layered else self.speed(reference)
 
     @staticmethod
     def _feed(reference, manifest: Manifest, window: list[int], past_len: int = 0) -> dict:
@@ -196,6 +200,18 @@ class EncoderJudge:
         return 1.0 - target
 
 
-def make_judge(fp32_graphs: dict[str, Path], manifest: Manifest, held_out: list[list[int]], threads: int | None):
-    kind = EncoderJudge if manifest.kind == "encoder" else DecoderJudge
-    return kind(fp32_graphs[kind.graph], manifest, held_out, threads)
+def make_judge(fp32_graphs: dict[str, Path], manifest: Manifest, held_out: list[list[int]], threads: int | None,
+               layered: bool = False, scratch: Path | None = None):
+    if manifest.kind == "encoder":
+        return EncoderJudge(fp32_graphs[EncoderJudge.graph], manifest, held_out, threads)
+    return DecoderJudge(fp32_graphs[DecoderJudge.graph], manifest, held_out, threads, layered, scratch)
+
+
+def reference_logprobs(fp32_graph: Path, manifest: Manifest, windows: list[list[int]], threads: int | None,
+                       layered: bool) -> Iterator[np.ndarray]:
+    """Next-token log-probabilities [S-1, V] of each window from the fp32 ``decode`` graph fed the
+    whole window on an empty cache (what the judge's reference is, in float32)."""
+    reference = opens(fp32_graph, threads, layered)
+    feeds = [DecoderJudge._feed(reference, manifest, w) for w in windows]
+    for logits in outputs_each(reference, "logits", feeds):
+        yield log_softmax(logits[0, :-1])

@@ -66,11 +66,23 @@ def name_nodes(model) -> None:
             taken.add(name)
 
 
-def read_array(init, base_dir: Path) -> np.ndarray:
-    """An initializer's values, read from the artifact's weights.bin when stored outside."""
-    from onnx import numpy_helper
+# The source artifact's weights.bin, linked into the prepared fp32 directory of a model calibrated
+# a layer at a time (pipeline.prepare_fp32).
+SHARED_WEIGHTS = "source-weights.bin"
 
-    return numpy_helper.to_array(init, base_dir=str(base_dir))
+
+def read_array(init, base_dir: Path) -> np.ndarray:
+    """An initializer's values, read from the artifact's weights.bin when stored outside (read here:
+    onnx's reader refuses the symbolic link pipeline.prepare_fp32 reads a big source's weights through)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    if init.data_location != TensorProto.EXTERNAL:
+        return numpy_helper.to_array(init)
+    info = {e.key: e.value for e in init.external_data}
+    dtype = helper.tensor_dtype_to_np_dtype(init.data_type)
+    count = int(np.prod(init.dims, dtype=np.int64))
+    values = np.fromfile(Path(base_dir) / info["location"], dtype, count, offset=int(info.get("offset", 0)))
+    return values.reshape(tuple(init.dims))
 
 
 def replace_initializer(model, name: str, array: np.ndarray) -> None:

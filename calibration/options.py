@@ -31,6 +31,8 @@ class CalibrationOptions:
     awq: bool = False  # w4/w8: AWQ-style activation-aware scales before rounding (awq.py)
     fallback: tuple[str, ...] = ()  # weight names of MatMuls kept in higher precision (see weight_only/static)
     search: SearchSpace | None = None  # None: exactly this recipe; else search.py picks one meeting a target
+    # Run the fp32 graphs a layer at a time (layered.py): None decides by whether they fit in memory.
+    layered: bool | None = None
 
     def validate(self) -> "CalibrationOptions":
         if self.kv_cache not in KV_CACHE_DTYPES:
@@ -39,6 +41,11 @@ class CalibrationOptions:
             raise InputError(f"--scheme is required ({', '.join(SCHEMES)}) unless --kv-cache int8 is the only change")
         if self.scheme is None:
             return self
+        if self.layered and self.scheme not in ("w8", "w4"):
+            raise InputError("layer-by-layer calibration applies to weight-only schemes (w8, w4): w8a8's range "
+                             "calibrators run the whole fp32 graph")
+        if self.layered and self.kv_cache == "int8":
+            raise InputError("--kv-cache int8 calibrates on the whole fp32 prefill graph: not layer by layer")
         if self.scheme not in SCHEMES:
             raise InputError(f"scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.method not in METHODS:

@@ -12,13 +12,15 @@ from pathlib import Path
 
 from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
-from llmx.artifact.onnx_files import describe_graph, load_graph, save_graphs
+from llmx.artifact.onnx_files import WEIGHTS_FILE, describe_graph, load_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer
 from llmx.calibration.activations import ActivationStats, collect_stats, statistics_graphs
 from llmx.calibration.candidates import Candidate
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import Feeds
-from llmx.calibration.matmuls import declare_activation_types, name_nodes, untie_weights
+from llmx.calibration.layered import LayeredGraph
+from llmx.calibration.matmuls import (SHARED_WEIGHTS, declare_activation_types, initializers, name_nodes,
+                                     untie_weights, weight_matmuls)
 from llmx.calibration.options import CalibrationOptions
 from llmx.calibration.progress import Progress, silent
 from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
@@ -43,8 +45,9 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     record: dict = {"fallback": list(options.fallback)} if options.fallback else {}
     if options.scheme != "w8a8":
         if builder is None:
-            paths = prepare_fp32(source, work / "fp32")
-            lazy = LazyStatistics(paths, make_feeds(source, windows, options.threads), options, progress, stats)
+            paths = prepare_fp32(source, work / "fp32", share_weights=bool(options.layered))
+            lazy = LazyStatistics(reference_graphs(source, paths, options), make_feeds(source, windows, options.threads),
+                                  options, progress, stats)
             graph = "embed" if source.manifest.kind == "encoder" else "decode"
             builder = WeightOnlyBuilder(paths, graph, lazy, options.scheme, options.symmetric, work / "weight-only")
         candidate = Candidate(alpha=options.smoothquant, awq=options.awq, fallback=tuple(options.fallback),
@@ -66,8 +69,12 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
 def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress) -> ActivationStats:
     """One fp32 pass over the calibration feeds of the graphs the scheme needs (statistics_graphs)."""
     graphs = statistics_graphs(paths, options.scheme)
-    with progress("activation statistics", sum(feeds.count(name) for name in graphs)) as bar:
-        return collect_stats(graphs, feeds, bar.update, options.threads)
+    if options.layered:  # the bar counts stages: each runs over every feed
+        total = sum(len(LayeredGraph(path).stages) for path in graphs.values())
+    else:
+        total = sum(feeds.count(name) for name in graphs)
+    with progress("activation statistics", total) as bar:
+        return collect_stats(graphs, feeds, bar.update, options.threads, options.layered)
 
 
 class LazyStatistics:
@@ -84,17 +91,41 @@ class LazyStatistics:
         return self.collected
 
 
-def prepare_fp32(source: Artifact, out: Path) -> dict[str, Path]:
+def prepare_fp32(source: Artifact, out: Path, share_weights: bool = False) -> dict[str, Path]:
     """The source graphs with named nodes, typed MatMul inputs and untied weights (what the
-    quantizers need)."""
+    quantizers need), their tensors copied into ``out``'s weights.bin. With ``share_weights`` (a
+    model calibrated a layer at a time: an 8B model's fp32 copy would be another 32 GB of disk) the
+    weight-MatMul tensors are not copied but read through a symbolic link to the source's file
+    (SHARED_WEIGHTS): llmx's readers (matmuls.read_array, tensor_bytes) follow it, and no graph
+    ONNX Runtime loads keeps a reference to it (it refuses a link out of the graph's directory:
+    weight_only_builder copies an fp32 fallback's tensor next to its blocks)."""
     out.mkdir()
     models = {name: load_graph(source.graph_path(name)) for name in source.manifest.graphs}
     for model in models.values():
         name_nodes(model)
         declare_activation_types(model)
         untie_weights(model)
-    save_graphs(models, out, sources={name: source.root for name in models})
+    shared = set()
+    if share_weights:
+        (out / SHARED_WEIGHTS).symlink_to((source.root / WEIGHTS_FILE).absolute())
+        for model in models.values():
+            inits = initializers(model)
+            for mm in weight_matmuls(model):
+                init = inits[mm.weight]
+                if any(e.key == "location" and e.value == WEIGHTS_FILE for e in init.external_data):
+                    next(e for e in init.external_data if e.key == "location").value = SHARED_WEIGHTS
+                    shared.add(mm.weight)
+    save_graphs(models, out, sources={name: source.root for name in models}, keep=shared)
     return {name: out / f"{name}.onnx" for name in models}
+
+
+def reference_graphs(source: Artifact, paths: dict[str, Path], options: CalibrationOptions) -> dict[str, Path]:
+    """The fp32 graphs the statistics and the judge run: the prepared ``paths``, or a layered
+    run's source graphs themselves (its stages read the source's directory and write nothing
+    there; the prepared ones hold links ONNX Runtime refuses)."""
+    if options.layered:
+        return {name: source.graph_path(name) for name in paths}
+    return paths
 
 
 def make_feeds(source: Artifact, windows: list[list[int]], threads: int | None):

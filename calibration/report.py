@@ -10,26 +10,41 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
+
+import numpy as np
 
 from llmx.artifact.handle import Artifact
+from llmx.calibration.judge import ArraysOnDisk, reference_logprobs
 from llmx.calibration.search import format_search
+from llmx.compare import Agreement
 from llmx.runtime.engine import make_backend
-from llmx.runtime.evaluate import agreement
+from llmx.runtime.evaluate import agreement, window_logprobs
 
 REPORT_FILE = "quality.json"
 
 
 def measure(reference: Artifact, candidate: Artifact, windows: list[list[int]], threads: int | None = None,
-            progress: Callable[[int], None] = lambda n: None) -> dict:
-    """Perplexity of both artifacts and their agreement on ``windows`` (ONNX Runtime CPU)."""
+            progress: Callable[[int], None] = lambda n: None, reference_logprobs: Iterable | None = None) -> dict:
+    """Perplexity of both artifacts and their agreement on ``windows`` (ONNX Runtime CPU).
+    ``reference_logprobs``: the fp32 side already computed, one array per window (layered_reference)."""
     # lazy_prefill=False: the report must judge the candidate's prefill graph too (a batch of
     # prompts runs it), even when a window batch holds one row, which the default would prefill on
     # the decode graph. The fp32 reference is not judged: its decode graph alone computes the same
     # function, and a second session would pack a second copy of the fp32 weights (SmolLM2: 0.6 GB).
-    ref = make_backend(reference, "ort-cpu", threads=threads, lazy_prefill=True)
-    cand = make_backend(candidate, "ort-cpu", threads=threads, lazy_prefill=False)
-    result = agreement(ref, cand, windows, progress).summary()
+    # A model run a layer at a time (reference_logprobs given) is one whose memory is short: the
+    # candidate's prefill graph, whose session would pack a second copy of the blocks (8B w4: 4.3
+    # GB), is left out, and its decode graph prefills, as a single prompt is served.
+    cand = make_backend(candidate, "ort-cpu", threads=threads, lazy_prefill=reference_logprobs is not None)
+    if reference_logprobs is None:
+        ref = make_backend(reference, "ort-cpu", threads=threads, lazy_prefill=True)
+        result = agreement(ref, cand, windows, progress).summary()
+    else:
+        result = Agreement()
+        for window, ref_logprobs, logprobs in zip(windows, reference_logprobs, window_logprobs(cand, windows)):
+            result.add(ref_logprobs, logprobs, np.asarray(window[1:]))
+            progress(1)
+        result = result.summary()
     return {
         "fp32": {"perplexity": result["reference_perplexity"], "graph_bytes": reference.graph_bytes()},
         "quantized": {"perplexity": result["perplexity"], "graph_bytes": candidate.graph_bytes()},
@@ -40,6 +55,19 @@ def measure(reference: Artifact, candidate: Artifact, windows: list[list[int]], 
         "tokens": result["tokens"],
         "windows": result["windows"],
     }
+
+
+def layered_reference(source: Artifact, windows: list[list[int]], threads: int | None, path: Path,
+                      progress: Callable[[int], None] = lambda n: None) -> ArraysOnDisk:
+    """The fp32 side of ``measure`` for a model whose fp32 graph does not fit: its decode graph a
+    layer at a time over whole windows (judge.reference_logprobs), kept on disk in float32 and read
+    back a window at a time while the candidate runs (both at once would hold a layer beside the
+    candidate's weights)."""
+    found = ArraysOnDisk(path)
+    for logprobs in reference_logprobs(source.graph_path("decode"), source.manifest, windows, threads, True):
+        found.append(logprobs)
+        progress(1)
+    return found
 
 
 def write_report(directory: Path, report: dict) -> None:

@@ -99,9 +99,10 @@ def describe_target(target: float, encoder: bool) -> str:
 
 class Search:
     def __init__(self, judge, builder, target: float, threads: int | None, log: Callable[[str], None],
-                 progress: Progress = silent):
+                 progress: Progress = silent, layered: bool = False):
         self.judge, self.builder, self.target, self.threads, self.log = judge, builder, target, threads, log
-        self.progress = progress
+        # layered: the fp32 graphs run a layer at a time (layered.py), because memory is short
+        self.progress, self.layered = progress, layered
         self.rows: list[dict] = []
 
     def score(self, candidate: Candidate) -> tuple[dict, dict, int]:
@@ -136,10 +137,15 @@ class Search:
         135M model, 4-bit LM head alone: KL 0.063; last layer 0.043; a middle layer 0.011). One
         cheap evaluation per layer (its MatMuls alone quantized, the rest fp32, LAYER_WINDOWS
         held-out windows) measures that; each MatMul gets its layer's share by local error.
+        ``layered`` (a model whose fp32 graph does not fit: those evaluations are fp32 graphs): the
+        local errors rank alone, and the full evaluations that check the predicted count make up
+        for the ranking.
         """
         weights = self.builder.weights()
         with self.progress("sensitivity (one pass)", len(weights)) as bar:
             local = self.builder.local_errors(base, stats.rows, self.threads, bar.update)
+        if self.layered:
+            return local
         found = {}
         layers = by_layer(weights)
         with self.progress("sensitivity per layer", len(layers)) as bar:
@@ -159,7 +165,8 @@ class Search:
         proportional to the local error still quantized, the factor fitted on the base recipe and
         refitted on every full evaluation; the counts known to miss and to meet bracket the next
         prediction, which once bracketed goes no higher than the midpoint (so the bracket at least
-        halves). A few evaluations instead of doubling and bisecting (2 log2 n of them).
+        halves). A few evaluations instead of doubling and bisecting (2 log2 n of them). Layered,
+        no guess goes past halfway from the last miss to all of them.
         """
         base = candidate_of(base_row)
         errors = np.asarray([sensitivity[w] for w in order], np.float64)
@@ -176,6 +183,11 @@ class Search:
                 # until a count meets, grow by half at least: a prediction that keeps falling short
                 # (the error not proportional to the local one) still brackets the count in a few steps
                 n = min(max(predicted, low + max(1, (low + 1) // 2)), high - 1)
+                if self.layered:
+                    # memory is short: grow from below, at most halfway to all of them. Each fallback's
+                    # 8-bit blocks add to the candidate's session, the run's peak (Llama-3.1-8B shape:
+                    # a first guess of 90 of 129 loaded 8.7 GiB of graph where 47 was chosen, 7.3)
+                    n = min(n, max((low + len(order)) // 2, low + 1))
             if n <= low:
                 return
             row = self.attempt(replace(base, fallback=tuple(order[:n])), "fallback")
@@ -192,22 +204,23 @@ class Search:
 
 def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], ActivationStats], held_out: list[list[int]],
                options, space: SearchSpace, work: Path, log: Callable[[str], None] = lambda msg: None,
-               progress: Progress = silent) -> tuple[Candidate, dict, object]:
+               progress: Progress = silent, reference: dict[str, Path] | None = None) -> tuple[Candidate, dict, object]:
     """(the chosen candidate, the search record, the builder that made its graphs) for
     ``options.scheme`` on the fp32 ``paths``; ``stats()`` gives the activation statistics,
-    collected on first call."""
+    collected on first call. ``reference``: the fp32 graphs the judge runs, if not ``paths``
+    (pipeline.reference_graphs)."""
     start = time.perf_counter()
     encoder = manifest.kind == "encoder"
     target = space.target_for(options.scheme, encoder)
-    judge = make_judge(paths, manifest, held_out, options.threads)
+    judge = make_judge(reference or paths, manifest, held_out, options.threads, bool(options.layered), work)
     reference_seconds = time.perf_counter() - start
     if options.scheme == "w8a8":
         builder = StaticBuilder(paths[judge.graph], judge.graph, stats(), feeds, options.per_channel, work)
     else:
         builder = WeightOnlyBuilder(paths, judge.graph, stats, options.scheme, options.symmetric, work / "weight-only")
     log(f"search: {describe_target(target, encoder)} on {len(held_out)} held-out "
-        f"{'sentences' if encoder else 'windows'} ({judge.graph} graph); fp32 {format_speed(judge.fp32_speed)}")
-    search = Search(judge, builder, target, options.threads, log, progress)
+        f"{'sentences' if encoder else 'windows'} ({judge.graph} graph); fp32 {format_fp32(judge.fp32_speed)}")
+    search = Search(judge, builder, target, options.threads, log, progress, layered=bool(options.layered))
     recipes: list[dict] = []
     for tier in space.recipes(options.scheme):
         if recipes:
@@ -225,7 +238,7 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], Acti
         sensitivity = search.sensitivity(candidate_of(best), stats())
         search.fewest_fallbacks(best, by_sensitivity(builder.weights(), sensitivity), sensitivity)
     chosen = pick(search.rows, judge.error)
-    slower = chosen["cost_ms"] > judge.fp32_speed["cost_ms"]
+    slower = judge.fp32_speed is not None and chosen["cost_ms"] > judge.fp32_speed["cost_ms"]
     if slower:
         log(f"WARNING: the chosen {chosen['label']} runs slower than the fp32 graph it came from "
             f"({format_speed(chosen)} vs fp32 {format_speed(judge.fp32_speed)}): no faster configuration "
@@ -301,6 +314,10 @@ def format_row(row: dict) -> str:
             f"{row['graph_bytes'] / 2**20:8.2f} MiB{row['seconds']:7.1f} s  {mark}")
 
 
+def format_fp32(speed: dict | None) -> str:
+    return "not timed (run a layer at a time: its graph does not fit in memory)" if speed is None else format_speed(speed)
+
+
 def format_speed(speed: dict) -> str:
     if "decode_tok_s" in speed:
         return f"{speed['decode_tok_s']:7.1f} tok/s, prefill {speed['prefill_ms']:.0f} ms"
@@ -319,6 +336,6 @@ def format_search(record: dict) -> str:
     seconds = record["seconds"]
     if "fp32" in record:
         slower = "; the chosen one is SLOWER" if record["slower_than_fp32"] else ""
-        rows.append(f"  fp32: {format_speed(record['fp32'])}{slower}")
+        rows.append(f"  fp32: {format_fp32(record['fp32'])}{slower}")
     rows.append(f"  search took {seconds['search']:.1f} s (fp32 reference {seconds['reference']:.1f} s)")
     return "\n".join(rows)

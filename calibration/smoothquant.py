@@ -71,15 +71,24 @@ def groups(model) -> list[Group]:
 # -- statistics ------------------------------------------------------------------------------
 
 def matmul_inputs(graph_paths: dict[str, Path], feeds: Callable[[str], Iterable[dict]],
-                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None, tag: str = "watch"):
+                  progress: Callable[[int], None] = lambda n: None, threads: int | None = None, tag: str = "watch",
+                  layered: bool = False):
     """Run each fp32 graph over its feeds; yield (graph, weight names, value) for the input of
-    every weight MatMul group, as the graph computes it."""
+    every weight MatMul group, as the graph computes it. ``layered``: a layer at a time
+    (layered.py; ``progress`` counts stages, and the values come a layer's at a time)."""
     import onnx
     import onnxruntime as ort
 
     for graph, path in graph_paths.items():
         model = onnx.load_model(str(path), load_external_data=False)
         watched = {g.activation: g.weights for g in groups(model)}
+        if layered:
+            from llmx.calibration.layered import LayeredGraph
+
+            for _, values in LayeredGraph(path, threads).run_each(list(watched), feeds(graph), progress):
+                for name, value in values.items():
+                    yield graph, watched[name], value
+            continue
         outputs = {o.name for o in model.graph.output}
         model.graph.output.extend(onnx.helper.make_empty_tensor_value_info(a) for a in watched if a not in outputs)
         augmented = path.with_name(f"{path.stem}.{tag}.onnx")  # beside weights.bin, which it references

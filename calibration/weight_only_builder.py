@@ -30,7 +30,7 @@ from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, tensor
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.candidates import Candidate, graph_bytes
-from llmx.calibration.matmuls import ROW_SCALES, initializers, read_array, weight_matmuls
+from llmx.calibration.matmuls import ROW_SCALES, SHARED_WEIGHTS, initializers, read_array, weight_matmuls
 from llmx.calibration.rounding import quantize_importance
 from llmx.calibration.sensitivity import group_keys, nbits_probe, quantized_product, relative_error
 from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
@@ -53,6 +53,7 @@ class Source:
     record: dict = field(default_factory=dict)  # what the manifest says was done
     importance: bool = False  # 4-bit blocks rounded by importance (rounding.py), else round-to-nearest
     blocks: dict = field(default_factory=dict)  # (weight, bits, block size) -> NBitsWeight (references)
+    copies: dict = field(default_factory=dict)  # weight -> its fp32 tensor copied into the blocks file
 
 
 class WeightOnlyBuilder:
@@ -93,7 +94,6 @@ class WeightOnlyBuilder:
     def _scaled(self, candidate: Candidate, key: tuple) -> Source:
         """The scaled copy, written one weight at a time (never a whole model in memory)."""
         import onnx
-        from onnx import numpy_helper
 
         models = {name: _copy(model) for name, model in self.fp32.items()}
         searched = models[self.graph]
@@ -107,9 +107,7 @@ class WeightOnlyBuilder:
 
         def scaled(name: str, values: Callable[[], np.ndarray]):
             if name not in written:  # the graphs share their weights: each is scaled and written once
-                init = numpy_helper.from_array(np.ascontiguousarray(values()), name)
-                data.store(init, init.raw_data)
-                written[name] = init
+                written[name] = data.tensor(name, values())
             return written[name]
 
         with WeightsFile(out) as data:  # its (name, content) dedup also stores the graphs' shared rest once
@@ -132,8 +130,6 @@ class WeightOnlyBuilder:
     def blocks(self, source: Source, weights: list[tuple[str, int]], block_size: int) -> dict[str, NBitsWeight]:
         """Each (weight, bits) of ``source`` as MatMulNBits tensors referencing its blocks file,
         quantized only the first time."""
-        from onnx import numpy_helper
-
         inits = initializers(source.models[self.graph])
         missing = [(w, bits) for w, bits in weights if (w, bits, block_size) not in source.blocks]
         if missing:
@@ -146,10 +142,7 @@ class WeightOnlyBuilder:
                         blocks = quantize_importance(values, block_size, importance, self.symmetric)
                     else:
                         blocks = quantize_blocks(values, bits, block_size, self.symmetric)
-                    tensors = []
-                    for name, array in blocks.arrays(weight):
-                        tensors.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-                        data.store(tensors[-1], tensors[-1].raw_data)
+                    tensors = [data.tensor(name, array) for name, array in blocks.arrays(weight)]
                     k = int(inits[weight].dims[0])
                     source.blocks[(weight, bits, block_size)] = NBitsWeight.of(blocks, k, tensors)
         return {w: source.blocks[(w, bits, block_size)] for w, bits in weights}
@@ -216,7 +209,26 @@ class WeightOnlyBuilder:
         replace_matmuls(model, found, CPU_ACCURACY_LEVEL)
         if self.symmetric:
             lookups_from_blocks(model, row_scales)
+        self._copy_shared(source, model)
         return model
+
+    @staticmethod
+    def _copy_shared(source: Source, model) -> None:
+        """The fp32 weights a candidate keeps (w8's fallbacks) that a layered calibration's prepared
+        graphs read through the link to the source's file (pipeline.prepare_fp32), copied into the
+        blocks file once: ONNX Runtime refuses to follow a link out of the graph's directory."""
+        from onnx import TensorProto
+
+        for init in model.graph.initializer:
+            if not any(e.key == "location" and e.value == SHARED_WEIGHTS for e in init.external_data):
+                continue
+            if init.name not in source.copies:
+                copy = TensorProto()
+                copy.CopyFrom(init)
+                with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
+                    data.store(copy, tensor_bytes(init, source.dir))
+                source.copies[init.name] = copy
+            init.CopyFrom(source.copies[init.name])
 
     def _save(self, model, candidate: Candidate) -> Path:
         import onnx

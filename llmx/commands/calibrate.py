@@ -87,11 +87,13 @@ def register(cli: click.Group) -> None:
     @click.option("--eval-data", type=click.Path(path_type=str), default=None,
                   help="Text for the quality report (default: a held-out tail of --data).")
     @click.option("--eval-samples", type=int, default=16, show_default=True, help="Evaluation windows (at most).")
+    @click.option("--layered/--whole", default=None,
+                  help="w8/w4: run the fp32 graphs a decoder layer at a time (default: when they do not fit in memory).")
     @threads_option
     @click.option("--json", "as_json", is_flag=True, help="Print the quality report as one JSON object.")
     @force_option
     def calibrate(artifact, output, data, scheme, kv_cache, target, search, fallback, method, alpha, awq, per_channel,
-                  block_size, symmetric, samples, seq_len, eval_data, eval_samples, threads, as_json, force):
+                  block_size, symmetric, samples, seq_len, eval_data, eval_samples, layered, threads, as_json, force):
         """Quantize ARTIFACT to INT8/INT4 and report what it cost in quality.
 
         \b
@@ -113,6 +115,11 @@ def register(cli: click.Group) -> None:
         artifact holds quality.json: perplexity fp32 vs quantized on held-out text, top-1
         agreement, mean KL, graph sizes and the whole search; w8a8 also holds TensorRT
         calibration tables under tensorrt/.
+
+        A w8/w4 model whose fp32 graphs do not fit in memory is calibrated a decoder layer at a
+        time (an 8B model on a 24 GiB box): the fp32 reference and statistics are computed one
+        layer's weights at a time, the candidates run whole (they fit), and the per-layer
+        sensitivity evaluations are skipped (their graphs are mostly fp32).
         """
         from llmx.calibration import CalibrationOptions, calibrate_artifact
         from llmx.calibration.report import format_report
@@ -121,7 +128,7 @@ def register(cli: click.Group) -> None:
         options = CalibrationOptions(scheme=scheme, method=method or "percentile", smoothquant=None if alpha == OFF else alpha,
                                      per_channel=per_channel, block_size=block_size, symmetric=symmetric,
                                      samples=samples, seq_len=seq_len, eval_samples=eval_samples, threads=threads,
-                                     kv_cache=kv_cache, awq=bool(awq), search=space)
+                                     kv_cache=kv_cache, awq=bool(awq), search=space, layered=layered)
         log = lambda msg: click.echo(msg, err=True)  # noqa: E731
         manifest = calibrate_artifact(artifact, output, data, options, eval_data=eval_data, force=force, log=log,
                                       progress=tqdm_progress)
