@@ -28,7 +28,7 @@ import numpy as np
 from llmx.artifact.manifest import Manifest
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import decode_feed
-from llmx.calibration.layered import opens, outputs_each
+from llmx.calibration.layered import LayeredGraph
 from llmx.compare import Agreement, cosine
 from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.runtime.onnx_backend import session_options
@@ -54,6 +54,21 @@ def session(model, threads: int | None):
 
     source = str(model) if isinstance(model, (str, Path)) else model.SerializeToString()
     return ort.InferenceSession(source, session_options(threads), providers=["CPUExecutionProvider"])
+
+
+def opens(path: Path, threads: int | None, layered: bool):
+    """A session over an fp32 graph: whole, or a LayeredGraph."""
+    return LayeredGraph(path, threads) if layered else session(path, threads)
+
+
+def outputs_each(runner, name: str, feeds: list[dict]) -> Iterator[np.ndarray]:
+    """``name`` for each feed in order, from a session or a LayeredGraph (all feeds in one pass)."""
+    if isinstance(runner, LayeredGraph):
+        for _, values in runner.run_each([name], feeds):
+            yield values[name]
+        return
+    for feed in feeds:
+        yield runner.run([name], feed)[0]
 
 
 class ArraysOnDisk:

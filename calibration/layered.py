@@ -173,22 +173,3 @@ class LayeredGraph:
         options = session_options(self.threads, prepack=False)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.path.parent))
         return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def opens(path: Path, threads: int | None, layered: bool):
-    """A session over an fp32 graph: whole, or a LayeredGraph."""
-    if layered:
-        return LayeredGraph(path, threads)
-    from llmx.calibration.judge import session
-
-    return session(path, threads)
-
-
-def outputs_each(session, name: str, feeds: list[dict]) -> Iterator[np.ndarray]:
-    """``name`` for each feed in order, from a session or a LayeredGraph (all feeds in one pass)."""
-    if isinstance(session, LayeredGraph):
-        for _, values in session.run_each([name], feeds):
-            yield values[name]
-        return
-    for feed in feeds:
-        yield session.run([name], feed)[0]
