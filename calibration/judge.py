@@ -61,14 +61,15 @@ def opens(path: Path, threads: int | None, layered: bool):
     return LayeredGraph(path, threads) if layered else session(path, threads)
 
 
-def outputs_each(runner, name: str, feeds: list[dict]) -> Iterator[np.ndarray]:
-    """``name`` for each feed in order, from a session or a LayeredGraph (all feeds in one pass)."""
+def logprobs_each(runner, feeds: list[dict]) -> Iterator[np.ndarray]:
+    """Next-token log-probabilities [S-1, V] of each decode feed, in order, from a session or a
+    LayeredGraph (all feeds in one pass)."""
     if isinstance(runner, LayeredGraph):
-        for _, values in runner.run_each([name], feeds):
-            yield values[name]
-        return
-    for feed in feeds:
-        yield runner.run([name], feed)[0]
+        logits = (values["logits"] for _, values in runner.run_each(["logits"], feeds))
+    else:
+        logits = (runner.run(["logits"], feed)[0] for feed in feeds)
+    for value in logits:
+        yield log_softmax(value[0, :-1])
 
 
 class ArraysOnDisk:
@@ -125,8 +126,8 @@ class DecoderJudge:
         # read back at a time. Rounding moves a perplexity ratio by about 1e-5 and KL by less
         # than its run-to-run noise.
         self.reference = ArraysOnDisk(Path(scratch or Path(fp32_graph).parent) / "reference-logprobs.f16")
-        for logits in outputs_each(reference, "logits", self.feeds):
-            self.reference.append(log_softmax(logits[0, :-1]).astype(np.float16))
+        for logprobs in logprobs_each(reference, self.feeds):
+            self.reference.append(logprobs.astype(np.float16))
         self._speed_feeds(reference, manifest, windows[0])
         self.fp32_speed = None if layered else self.speed(reference)
 
@@ -227,6 +228,4 @@ def reference_logprobs(fp32_graph: Path, manifest: Manifest, windows: list[list[
     """Next-token log-probabilities [S-1, V] of each window from the fp32 ``decode`` graph fed the
     whole window on an empty cache (what the judge's reference is, in float32)."""
     reference = opens(fp32_graph, threads, layered)
-    feeds = [DecoderJudge._feed(reference, manifest, w) for w in windows]
-    for logits in outputs_each(reference, "logits", feeds):
-        yield log_softmax(logits[0, :-1])
+    yield from logprobs_each(reference, [DecoderJudge._feed(reference, manifest, w) for w in windows])

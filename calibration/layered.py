@@ -49,10 +49,9 @@ class Stage:
 
 @dataclass
 class InputInfo:
-    """What ``InferenceSession.get_inputs()`` tells of an input: callers read ``name`` and ``shape``."""
+    """What ``InferenceSession.get_inputs()`` tells of an input that its callers here read."""
     name: str
     shape: list
-    type: str
 
 
 def node_inputs(node) -> list[str]:
@@ -102,8 +101,8 @@ def largest_stage_bytes(model) -> int:
 
 
 class LayeredGraph:
-    """An fp32 graph file, run stage by stage (see the module doc); ``run`` and ``get_inputs`` as
-    an ONNX Runtime session's, ``run_each`` for many inputs at once (what saves the reading)."""
+    """An fp32 graph file, run stage by stage (see the module doc): ``get_inputs`` as an ONNX
+    Runtime session's, ``run_each`` over many inputs at once (one reading of the weights for all)."""
 
     def __init__(self, path: Path, threads: int | None = None):
         self.path, self.threads = Path(path), threads
@@ -113,20 +112,9 @@ class LayeredGraph:
         self._value_info = {v.name: v for v in self.model.graph.value_info}
 
     def get_inputs(self) -> list[InputInfo]:
-        from onnx import helper
-
-        found = []
-        for value in self.model.graph.input:
-            shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in value.type.tensor_type.shape.dim]
-            dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
-            found.append(InputInfo(value.name, shape, f"tensor({np.dtype(dtype).name})"))
-        return found
-
-    def run(self, names: list[str], feed: dict) -> list[np.ndarray]:
-        got: dict[str, np.ndarray] = {}
-        for _, values in self.run_each(names, [feed]):
-            got.update(values)
-        return [got[n] for n in names]
+        return [InputInfo(value.name, [d.dim_value if d.HasField("dim_value") else d.dim_param
+                                       for d in value.type.tensor_type.shape.dim])
+                for value in self.model.graph.input]
 
     def run_each(self, names: Iterable[str], feeds: Iterable[dict],
                  progress: Callable[[int], None] = lambda n: None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:

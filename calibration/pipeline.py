@@ -111,10 +111,10 @@ def prepare_fp32(source: Artifact, out: Path, share_weights: bool = False) -> di
         for model in models.values():
             inits = initializers(model)
             for mm in weight_matmuls(model):
-                init = inits[mm.weight]
-                if any(e.key == "location" and e.value == WEIGHTS_FILE for e in init.external_data):
-                    next(e for e in init.external_data if e.key == "location").value = SHARED_WEIGHTS
-                    shared.add(mm.weight)
+                for entry in inits[mm.weight].external_data:
+                    if entry.key == "location" and entry.value == WEIGHTS_FILE:
+                        entry.value = SHARED_WEIGHTS
+                        shared.add(mm.weight)
     save_graphs(models, out, sources={name: source.root for name in models}, keep=shared)
     return {name: out / f"{name}.onnx" for name in models}
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, tensor_bytes
+from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, stored_in, tensor_bytes
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.candidates import Candidate, graph_bytes
@@ -220,7 +220,7 @@ class WeightOnlyBuilder:
         from onnx import TensorProto
 
         for init in model.graph.initializer:
-            if not any(e.key == "location" and e.value == SHARED_WEIGHTS for e in init.external_data):
+            if not stored_in(init, SHARED_WEIGHTS):
                 continue
             if init.name not in source.copies:
                 copy = TensorProto()

@@ -130,7 +130,6 @@ class WeightsFile:
             init.ClearField(field)
         external_reference(init, offset, length, self.name)
 
-
     def tensor(self, name: str, array: np.ndarray) -> "onnx.TensorProto":
         """A new initializer ``name`` holding ``array`` as ``store`` keeps it. Made from the array's
         bytes, never through ``numpy_helper.from_array``: a protobuf message keeps the memory of a
@@ -175,15 +174,16 @@ def save_graphs(graphs: dict[str, "onnx.ModelProto"], out_dir: Path, sources: di
     with WeightsFile(out_dir, "ab" if append else "wb") as data:
         for name, model in graphs.items():
             for init in model.graph.initializer:
-                if (append and _in_weights_file(init)) or init.name in keep:
+                if (append and stored_in(init)) or init.name in keep:
                     continue
                 data.store(init, tensor_bytes(init, sources.get(name)))
             model.ir_version = IR_VERSION
             onnx.save_model(model, str(out_dir / f"{name}.onnx"))
 
 
-def _in_weights_file(init) -> bool:
-    return any(e.key == "location" and e.value == WEIGHTS_FILE for e in init.external_data)
+def stored_in(init, location: str = WEIGHTS_FILE) -> bool:
+    """Whether initializer ``init`` references the file ``location`` beside its graph."""
+    return any(e.key == "location" and e.value == location for e in init.external_data)
 
 
 def load_graph(path: Path, with_weights: bool = False) -> "onnx.ModelProto":
