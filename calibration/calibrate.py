@@ -31,7 +31,7 @@ from llmx.calibration.matmuls import is_quantized
 from llmx.calibration.options import UNSEARCHED_BLOCK_SIZE, CalibrationOptions
 from llmx.calibration.progress import Progress, silent
 from llmx.calibration.report import layered_reference, measure, write_report
-from llmx.calibration.search import TargetNotMetError, apply, format_search, run_search
+from llmx.calibration.search import ALPHAS, TargetNotMetError, apply, format_search, run_search
 from llmx.errors import ArtifactError, InputError
 from llmx import memory_budget
 from llmx.memory_budget import GiB, Need, check_fits, gib
@@ -94,8 +94,14 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     feeds = pipeline.make_feeds(source, split.calibration, options.threads)
     stats = pipeline.LazyStatistics(reference, feeds, options, progress)
     space = options.search
-    if options.layered:  # a scaled recipe (AWQ, SmoothQuant) writes a scaled fp32 copy of every weight
-        space = replace(space, awq=(False,), alphas=(None,))
+    if options.layered:
+        # Each recipe's blocks are the whole model once more on disk (an 8B w4 set: 5 GB a block
+        # size): unless flags fix it, w4 tries AWQ alone, which holds round-to-nearest in its grid
+        # (alpha 0 per group) and rounds by importance; w8 round-to-nearest alone.
+        if options.scheme == "w4" and space.awq == (False, True):
+            space = replace(space, awq=(True,))
+        if options.scheme == "w8" and space.alphas == ALPHAS:
+            space = replace(space, alphas=(None,))
     if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
         space = replace(space, block_sizes=(options.block_size,))
     chosen, record, builder = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space,
@@ -192,10 +198,6 @@ def check_calibration_fits(source: Artifact, out: str | Path, options: Calibrati
     if options.layered and not can_layer:
         raise InputError("layer-by-layer calibration applies to decoders with weight-only schemes (w8, w4) "
                          "and a float32 KV cache")
-    if options.layered and (options.awq or options.smoothquant is not None):
-        raise InputError("--awq and --smoothquant write a scaled fp32 copy of every weight, which a model "
-                         "calibrated layer by layer has no room for; leave them to the search (round-to-nearest "
-                         "and 8-bit fallbacks at this size)")
     if options.layered:
         stage = max(largest_stage_bytes(load_graph(source.graph_path(name))) for name in source.manifest.graphs)
         quantized = int(QUANTIZED_SHARE[options.scheme] * source.size_bytes())

@@ -4,8 +4,11 @@ The search scores many weight-only candidates (recipes, per-layer sensitivity gr
 counts), and the artifact is one more. Nothing here holds a model's weights whole in memory:
 
 - a **source** is the fp32 graphs with one channel scaling folded in (none, AWQ's at a block
-  size, SmoothQuant's at an alpha): weightless protos whose tensors live in that source's
-  directory, in ``weights.bin``;
+  size, SmoothQuant's at an alpha): weightless protos. A scaled source writes only what the
+  scaling changes that is small (norm weights divided by s, or an inserted Mul by 1/s) and its
+  other small tensors; its MatMul weights stay the fp32 ones, read through a link and multiplied
+  by s as they are quantized or kept, so no scaled fp32 copy of the model is ever written (an 8B
+  model: 30 GB of disk per recipe);
 - each weight's **blocks** for one (bits, block size) are quantized the first time anything asks
   for them and appended to the source's ``blocks.bin``, so the fallback and per-layer candidates
   of a recipe, and then the artifact, quantize nothing again. The rounding is ONNX Runtime's own
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, stored_in, tensor_bytes
+from llmx.artifact.onnx_files import IR_VERSION, WEIGHTS_FILE, WeightsFile, load_graph, stored_in, tensor_bytes
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.candidates import Candidate, graph_bytes
@@ -49,11 +52,11 @@ FALLBACK_BLOCK_8BIT = 64
 class Source:
     dir: Path
     models: dict  # graph name -> weightless proto, its tensors in dir's weights.bin
-    scales: dict  # group key -> s folded in (empty: none)
+    scales: dict  # group key -> s: folded into the activations; the MatMul weights are multiplied as read
     record: dict = field(default_factory=dict)  # what the manifest says was done
     importance: bool = False  # 4-bit blocks rounded by importance (rounding.py), else round-to-nearest
     blocks: dict = field(default_factory=dict)  # (weight, bits, block size) -> NBitsWeight (references)
-    copies: dict = field(default_factory=dict)  # weight -> its fp32 tensor copied into the blocks file
+    copies: dict = field(default_factory=dict)  # weight -> its (scaled) fp32 tensor copied into the blocks file
 
 
 class WeightOnlyBuilder:
@@ -71,8 +74,10 @@ class WeightOnlyBuilder:
         self.built = 0
         self._sources: dict[tuple, Source] = {}
         self._weights = [mm.weight for mm in weight_matmuls(self.fp32[graph])]
-        # weight -> its group's key, how scales are keyed (the same in every scaled copy)
-        self._keys = group_keys(self.fp32[graph])
+        self._matmul_weights = {mm.weight for model in self.fp32.values() for mm in weight_matmuls(model)}
+        # weight -> its group's key, how scales are keyed (the same in every graph; the searched one's first)
+        self._keys = {w: key for name in sorted(self.fp32, key=lambda n: n == graph)
+                      for w, key in group_keys(self.fp32[name]).items()}
 
     def weights(self) -> list[str]:
         return list(self._weights)
@@ -92,7 +97,9 @@ class WeightOnlyBuilder:
         return self._sources[key]
 
     def _scaled(self, candidate: Candidate, key: tuple) -> Source:
-        """The scaled copy, written one weight at a time (never a whole model in memory)."""
+        """The graphs with ``candidate``'s scales folded into the activations. The MatMul weights
+        keep referencing the fp32 tensors (through a link named SHARED_WEIGHTS to the file that
+        holds them): ``blocks`` and ``_keep_fp32`` multiply them by s as they read them."""
         import onnx
 
         models = {name: _copy(model) for name, model in self.fp32.items()}
@@ -103,18 +110,19 @@ class WeightOnlyBuilder:
             scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
         out = self.work / "-".join(map(str, key))
         out.mkdir(parents=True)
-        written: dict = {}  # name -> reference into out's weights.bin; the other tensors still read fp32's
+        fp32 = {init.name: init for model in self.fp32.values() for init in model.graph.initializer}
+        (out / SHARED_WEIGHTS).symlink_to(self._fp32_weights_file(fp32.values()))
 
-        def scaled(name: str, values: Callable[[], np.ndarray]):
-            if name not in written:  # the graphs share their weights: each is scaled and written once
-                written[name] = data.tensor(name, values())
-            return written[name]
+        def linked(name: str, values=None):  # apply_smoothing's writer: nothing is computed or written
+            return _linked(fp32[name])
 
         with WeightsFile(out) as data:  # its (name, content) dedup also stores the graphs' shared rest once
-            counts = {name: apply_smoothing(model, self.fp32_dir, scales, scaled) for name, model in models.items()}
+            counts = {name: apply_smoothing(model, self.fp32_dir, scales, linked) for name, model in models.items()}
             for model in models.values():
                 for init in model.graph.initializer:
-                    if init.name not in written:
+                    if init.name in self._matmul_weights and init.name in fp32:
+                        init.CopyFrom(linked(init.name))
+                    elif not stored_in(init, SHARED_WEIGHTS):
                         data.store(init, tensor_bytes(init, self.fp32_dir))
         for name, model in models.items():
             model.ir_version = IR_VERSION
@@ -127,6 +135,21 @@ class WeightOnlyBuilder:
         graphs = {name: load_graph(out / f"{name}.onnx") for name in models}
         return Source(out, graphs, scales, record, importance=candidate.awq)
 
+    def _fp32_weights_file(self, inits) -> Path:
+        """The file the fp32 MatMul weights are stored in: the prepared copy's weights.bin, or
+        (a layered run) the source artifact's, which the prepared directory links to."""
+        files = {SHARED_WEIGHTS if stored_in(i, SHARED_WEIGHTS) else WEIGHTS_FILE
+                 for i in inits if i.name in self._matmul_weights and i.external_data}
+        if len(files) > 1:
+            raise AssertionError(f"fp32 MatMul weights in both {sorted(files)}: expected one file")
+        return (self.fp32_dir / (files.pop() if files else WEIGHTS_FILE)).resolve()
+
+    def _weight(self, source: Source, init) -> np.ndarray:
+        """A MatMul weight of ``source`` as its recipe quantizes it: fp32, times s for a scaled group."""
+        values = read_array(init, source.dir)
+        s = source.scales.get(self._keys.get(init.name))
+        return values if s is None else values * s[:, None]
+
     def blocks(self, source: Source, weights: list[tuple[str, int]], block_size: int) -> dict[str, NBitsWeight]:
         """Each (weight, bits) of ``source`` as MatMulNBits tensors referencing its blocks file,
         quantized only the first time."""
@@ -135,7 +158,7 @@ class WeightOnlyBuilder:
         if missing:
             with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
                 for weight, bits in missing:
-                    values = read_array(inits[weight], source.dir)
+                    values = self._weight(source, inits[weight])
                     if source.importance and bits == 4 and weight in self.stats().square_sum:
                         s = source.scales.get(self._keys[weight])
                         importance = self.stats().mean_square(weight) / (1.0 if s is None else np.square(s))
@@ -209,25 +232,21 @@ class WeightOnlyBuilder:
         replace_matmuls(model, found, CPU_ACCURACY_LEVEL)
         if self.symmetric:
             lookups_from_blocks(model, row_scales)
-        self._copy_shared(source, model)
+        self._keep_fp32(source, model)
         return model
 
-    @staticmethod
-    def _copy_shared(source: Source, model) -> None:
-        """The fp32 weights a candidate keeps (w8's fallbacks) that a layered calibration's prepared
-        graphs read through the link to the source's file (pipeline.prepare_fp32), copied into the
-        blocks file once: ONNX Runtime refuses to follow a link out of the graph's directory."""
-        from onnx import TensorProto
-
+    def _keep_fp32(self, source: Source, model) -> None:
+        """The fp32 weights a candidate keeps (w8's fallbacks) that are read through a link (a
+        layered run's prepared graphs, pipeline.prepare_fp32, or a scaled source) or are scaled,
+        written into the blocks file once, scaled: ONNX Runtime refuses to follow a link out of
+        the graph's directory."""
         for init in model.graph.initializer:
-            if not stored_in(init, SHARED_WEIGHTS):
+            linked = stored_in(init, SHARED_WEIGHTS)
+            if not linked and source.scales.get(self._keys.get(init.name)) is None:
                 continue
             if init.name not in source.copies:
-                copy = TensorProto()
-                copy.CopyFrom(init)
                 with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
-                    data.store(copy, tensor_bytes(init, source.dir))
-                source.copies[init.name] = copy
+                    source.copies[init.name] = data.tensor(init.name, self._weight(source, init))
             init.CopyFrom(source.copies[init.name])
 
     def _save(self, model, candidate: Candidate) -> Path:
@@ -238,6 +257,18 @@ class WeightOnlyBuilder:
         model.ir_version = IR_VERSION
         onnx.save_model(model, str(path))
         return path
+
+
+def _linked(init):
+    """A copy of fp32 initializer ``init`` that a scaled source's directory reads through its link."""
+    from onnx import TensorProto
+
+    copy = TensorProto()
+    copy.CopyFrom(init)
+    for entry in copy.external_data:
+        if entry.key == "location":
+            entry.value = SHARED_WEIGHTS
+    return copy
 
 
 def _copy(model):

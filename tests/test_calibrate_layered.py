@@ -162,21 +162,90 @@ def test_layered_is_chosen_when_the_whole_graphs_do_not_fit(store, text, tmp_pat
 
 
 def test_layered_refuses_what_needs_the_whole_graph(store, text, tmp_path, capsys):
-    """w8a8's calibrators, an int8 KV cache and the scaled recipes (a scaled fp32 copy of every
-    weight) are refused in one line, nothing written; the layered search leaves scaled recipes out."""
-    for flags in (["--scheme", "w8a8"], ["--scheme", "w4", "--awq"], ["--scheme", "w8", "--smoothquant", "0.5"]):
+    """w8a8's calibrators and an int8 KV cache are refused in one line, nothing written."""
+    for flags in (["--scheme", "w8a8"], ["--scheme", "w4", "--kv-cache", "int8"]):
         code, _, err = run(["calibrate", str(store.artifact("llama")), "--data", str(text), *flags, "--layered",
                             "--seq-len", "32", "-o", str(tmp_path / "x")], capsys)
         assert code != 0 and error_line(err).startswith("error: "), (flags, err)
         assert not (tmp_path / "x").exists()
-    options = CalibrationOptions(scheme="w4", layered=True, search=SearchSpace(target=0.5, fallback=False), **SMALL)
-    with pytest.raises(Exception, match="no configuration meets the target") as refused:
-        calibrate_artifact(store.artifact("llama"), tmp_path / "y", text, options)
-    assert "awq" not in str(refused.value) and "the best found, rtn b" in str(refused.value)
     with pytest.raises(InputError, match="weight-only schemes"):
         CalibrationOptions(scheme="w8a8", layered=True).validate()
     with pytest.raises(InputError, match="not layer by layer"):
         CalibrationOptions(scheme="w4", kv_cache="int8", layered=True).validate()
+
+
+def test_a_layered_w4_search_tries_awq_in_place_of_round_to_nearest(store, text, tmp_path):
+    """Each recipe's blocks are the model once more on disk: layered, w4's tiers hold AWQ alone
+    (round-to-nearest is in its grid), at every block size; a flag still fixes the recipe."""
+    options = CalibrationOptions(scheme="w4", layered=True, search=SearchSpace(target=0.5, fallback=False), **SMALL)
+    with pytest.raises(Exception, match="no configuration meets the target") as refused:
+        calibrate_artifact(store.artifact("llama"), tmp_path / "y", text, options)
+    assert "the best found, awq b" in str(refused.value)
+    options = CalibrationOptions(scheme="w4", layered=True, **SMALL,
+                                 search=SearchSpace(target=0.5, fallback=False, awq=(False,), block_sizes=(32,)))
+    with pytest.raises(Exception, match="the best found, rtn b32"):
+        calibrate_artifact(store.artifact("llama"), tmp_path / "z", text, options)
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_scaled_recipes_keep_only_their_blocks(store, text, tmp_path, layered):
+    """AWQ and SmoothQuant fold 1/s into the activations and multiply the fp32 weights by s only as
+    they are quantized or kept, so no scaled copy of the weights is written (an 8B model: 30 GB a
+    recipe) and a layered calibration runs them too: the blocks are those of the scaled weights;
+    w8 + SmoothQuant with every MatMul kept in fp32 computes the fp32 model (a kept weight left
+    unscaled would not)."""
+    import onnxruntime as ort
+
+    from llmx.artifact.onnx_files import load_graph
+    from llmx.calibration import pipeline
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.feeds import prefill_feed
+    from llmx.calibration.matmuls import initializers, read_array, weight_matmuls
+    from llmx.calibration.progress import silent
+    from llmx.calibration.rounding import quantize_importance
+    from llmx.calibration.sensitivity import group_keys
+    from llmx.calibration.weight_only_builder import WeightOnlyBuilder
+
+    art = Artifact.of(store.artifact("llama"))
+    options = CalibrationOptions(scheme="w4", layered=layered, **SMALL)
+    paths = pipeline.prepare_fp32(art, tmp_path / "fp32", share_weights=layered)
+    feeds = pipeline.make_feeds(art, windows(3, 32), 1)
+    stats = pipeline.LazyStatistics(pipeline.reference_graphs(art, paths, options), feeds, options, silent)
+    builder = WeightOnlyBuilder(paths, "decode", stats, "w4", True, tmp_path / "weight-only")
+    source = builder.source(Candidate(awq=True, block_size=32))
+    assert source.scales
+    fp32 = initializers(load_graph(paths["decode"]))
+    weights = [mm.weight for mm in weight_matmuls(load_graph(paths["decode"]))]
+    matmul_bytes = sum(read_array(fp32[w], paths["decode"].parent).nbytes for w in weights)
+    assert (source.dir / "weights.bin").stat().st_size < matmul_bytes / 2  # norms and the embedding only
+    keys = group_keys(load_graph(paths["decode"]))
+    scaled = next(w for w in weights if keys[w] in source.scales)
+    s = source.scales[keys[scaled]]
+    got = builder.blocks(source, [(scaled, 4)], 32)[scaled]
+    want = quantize_importance(read_array(fp32[scaled], paths["decode"].parent) * s[:, None], 32,
+                               stats().mean_square(scaled) / np.square(s))
+    for tensor, (_, array) in zip(got.tensors, want.arrays(scaled)):
+        np.testing.assert_array_equal(read_array(tensor, source.dir), array)
+
+    out = tmp_path / f"w8-sq-{layered}"
+    options = CalibrationOptions(scheme="w8", smoothquant=0.5, block_size=32, fallback=tuple(weights), layered=layered,
+                                 **SMALL)
+    assert calibrate_artifact(art, out, text, options).precision.smoothquant == 0.5
+    feed = prefill_feed(windows(1, 16)[0])
+    logits = [ort.InferenceSession(str(a / "prefill.onnx")).run(["logits"], feed)[0] for a in (art.root, out)]
+    assert not np.allclose(read_array(initializers(load_graph(out / "prefill.onnx"))[scaled], out),
+                           read_array(fp32[scaled], paths["decode"].parent))  # kept scaled: its input is divided
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_awq_builds_the_same_artifact_whole_and_layered(store, text, tmp_path):
+    built = []
+    for layered in (False, True):
+        out = tmp_path / f"awq-{layered}"
+        options = CalibrationOptions(scheme="w4", awq=True, block_size=32, fallback=(), layered=layered, **SMALL)
+        assert calibrate_artifact(store.artifact("llama"), out, text, options).precision.awq
+        built.append((out / "weights.bin").read_bytes())
+    assert built[0] == built[1]
 
 
 def test_stored_tensors_keep_no_copy_of_their_bytes(tmp_path):
