@@ -4,19 +4,18 @@ The search scores many weight-only candidates (recipes, per-layer sensitivity gr
 counts), and the artifact is one more. Nothing here holds a model's weights whole in memory:
 
 - a **source** is the fp32 graphs with one channel scaling folded in (none, AWQ's at a block
-  size, SmoothQuant's at an alpha): weightless protos. A scaled source writes only what the
-  scaling changes that is small (norm weights divided by s, or an inserted Mul by 1/s) and its
-  other small tensors; its MatMul weights stay the fp32 ones, read through a link and multiplied
-  by s as they are quantized or kept, so no scaled fp32 copy of the model is ever written (an 8B
-  model: 30 GB of disk per recipe);
+  size, SmoothQuant's at an alpha): weightless protos over the prepared fp32 directory. The
+  scaling changes small tensors only (norm weights divided by s, or an inserted Mul by 1/s, held
+  inline); the MatMul weights stay the fp32 ones and are multiplied by s as they are quantized
+  or kept, so no scaled copy of the model is ever written (an 8B model: 30 GB of disk a recipe);
 - each weight's **blocks** for one (bits, block size) are quantized the first time anything asks
-  for them and appended to the source's ``blocks.bin``, so the fallback and per-layer candidates
+  for them and appended to the source's blocks file (``blocks.bin``, ``blocks-awq-32.bin``, ...), so the fallback and per-layer candidates
   of a recipe, and then the artifact, quantize nothing again. The rounding is ONNX Runtime's own
   (``quant_blocks.quantize_blocks``, byte for byte what its MatMulNBitsQuantizer writes), except
   an AWQ source's 4-bit blocks: importance-weighted (rounding.py, with AWQ's s folded into the
   importance), activation-aware like its scales;
-- a **candidate graph** is a source proto with references into those two files, written beside
-  them: ONNX Runtime maps the tensors instead of parsing the model from bytes (SmolLM2-135M's
+- a **candidate graph** is a source proto with references into the fp32 weights and a blocks
+  file, written beside them: ONNX Runtime maps the tensors instead of parsing the model from bytes (SmolLM2-135M's
   decode graph: a session in 0.5 s from a path, 2.1 s from bytes, which also held the model
   twice more).
 """
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.onnx_files import IR_VERSION, WEIGHTS_FILE, WeightsFile, load_graph, stored_in, tensor_bytes
+from llmx.artifact.onnx_files import IR_VERSION, WeightsFile, load_graph, stored_in
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.awq import awq_scales
 from llmx.calibration.candidates import Candidate, graph_bytes
@@ -50,25 +49,25 @@ FALLBACK_BLOCK_8BIT = 64
 
 @dataclass
 class Source:
-    dir: Path
-    models: dict  # graph name -> weightless proto, its tensors in dir's weights.bin
+    dir: Path  # the prepared fp32 directory: every source's files and candidate graphs are there
+    models: dict  # graph name -> weightless proto over dir's fp32 tensors (a scaling's own ones inline)
     scales: dict  # group key -> s: folded into the activations; the MatMul weights are multiplied as read
     record: dict = field(default_factory=dict)  # what the manifest says was done
     importance: bool = False  # 4-bit blocks rounded by importance (rounding.py), else round-to-nearest
+    blocks_file: str = BLOCKS_FILE
     blocks: dict = field(default_factory=dict)  # (weight, bits, block size) -> NBitsWeight (references)
     copies: dict = field(default_factory=dict)  # weight -> its (scaled) fp32 tensor copied into the blocks file
 
 
 class WeightOnlyBuilder:
     def __init__(self, fp32: dict[str, Path], graph: str, stats: Callable[[], ActivationStats] | None, scheme: str,
-                 symmetric: bool, work: Path):
+                 symmetric: bool):
         """``fp32``: the graphs by name, in one directory that must be the caller's own copy
-        (pipeline.prepare_fp32): the unscaled recipes' blocks and graphs are written beside it, as
-        ONNX Runtime reads external data only from a graph's own directory (a link out is refused,
-        and onnx refuses a hard-linked file). ``graph``: the one the search scores. ``stats()``
-        gives the activation statistics (collected on first call: round-to-nearest never needs
-        them). ``work``: a directory the builder owns, for the scaled sources."""
-        self.graph, self.stats, self.scheme, self.symmetric, self.work = graph, stats, scheme, symmetric, Path(work)
+        (pipeline.prepare_fp32): every recipe's blocks and graphs are written beside it, as ONNX
+        Runtime reads external data only from a graph's own directory (a link out is refused, and
+        onnx refuses a hard-linked file). ``graph``: the one the search scores. ``stats()`` gives
+        the activation statistics (collected on first call: round-to-nearest never needs them)."""
+        self.graph, self.stats, self.scheme, self.symmetric = graph, stats, scheme, symmetric
         self.fp32 = {name: load_graph(path) for name, path in fp32.items()}
         self.fp32_dir = fp32[graph].parent
         self.built = 0
@@ -98,51 +97,25 @@ class WeightOnlyBuilder:
 
     def _scaled(self, candidate: Candidate, key: tuple) -> Source:
         """The graphs with ``candidate``'s scales folded into the activations. The MatMul weights
-        keep referencing the fp32 tensors (through a link named SHARED_WEIGHTS to the file that
-        holds them): ``blocks`` and ``_keep_fp32`` multiply them by s as they read them."""
-        import onnx
-
+        keep referencing the fp32 tensors: ``blocks`` and ``_keep_fp32`` multiply them by s as
+        they read them."""
         models = {name: _copy(model) for name, model in self.fp32.items()}
         searched = models[self.graph]
         if candidate.awq:
             scales = awq_scales(searched, self.fp32_dir, self.stats(), candidate.block_size, BITS[self.scheme])
         else:
             scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
-        out = self.work / "-".join(map(str, key))
-        out.mkdir(parents=True)
         fp32 = {init.name: init for model in self.fp32.values() for init in model.graph.initializer}
-        (out / SHARED_WEIGHTS).symlink_to(self._fp32_weights_file(fp32.values()))
-
-        def linked(name: str, values=None):  # apply_smoothing's writer: nothing is computed or written
-            return _linked(fp32[name])
-
-        with WeightsFile(out) as data:  # its (name, content) dedup also stores the graphs' shared rest once
-            counts = {name: apply_smoothing(model, self.fp32_dir, scales, linked) for name, model in models.items()}
-            for model in models.values():
-                for init in model.graph.initializer:
-                    if init.name in self._matmul_weights and init.name in fp32:
-                        init.CopyFrom(linked(init.name))
-                    elif not stored_in(init, SHARED_WEIGHTS):
-                        data.store(init, tensor_bytes(init, self.fp32_dir))
-        for name, model in models.items():
-            model.ir_version = IR_VERSION
-            onnx.save_model(model, str(out / f"{name}.onnx"))
+        # apply_smoothing's writer: nothing computed, nothing written, the fp32 reference kept
+        counts = {name: apply_smoothing(model, self.fp32_dir, scales, lambda w, values: fp32[w])
+                  for name, model in models.items()}
         record = {"groups": len(scales), "per_graph": counts}
         if candidate.awq:  # activation-aware all the way: the scaled weights are rounded by importance too
             record = {"awq": {**record, "rounding": "importance"}}
         else:
             record = {"smoothquant": {"alpha": candidate.alpha, **record}}
-        graphs = {name: load_graph(out / f"{name}.onnx") for name in models}
-        return Source(out, graphs, scales, record, importance=candidate.awq)
-
-    def _fp32_weights_file(self, inits) -> Path:
-        """The file the fp32 MatMul weights are stored in: the prepared copy's weights.bin, or
-        (a layered run) the source artifact's, which the prepared directory links to."""
-        files = {SHARED_WEIGHTS if stored_in(i, SHARED_WEIGHTS) else WEIGHTS_FILE
-                 for i in inits if i.name in self._matmul_weights and i.external_data}
-        if len(files) > 1:
-            raise AssertionError(f"fp32 MatMul weights in both {sorted(files)}: expected one file")
-        return (self.fp32_dir / (files.pop() if files else WEIGHTS_FILE)).resolve()
+        return Source(self.fp32_dir, models, scales, record, importance=candidate.awq,
+                      blocks_file=f"blocks-{'-'.join(map(str, key))}.bin")
 
     def _weight(self, source: Source, init) -> np.ndarray:
         """A MatMul weight of ``source`` as its recipe quantizes it: fp32, times s for a scaled group."""
@@ -156,7 +129,7 @@ class WeightOnlyBuilder:
         inits = initializers(source.models[self.graph])
         missing = [(w, bits) for w, bits in weights if (w, bits, block_size) not in source.blocks]
         if missing:
-            with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
+            with WeightsFile(source.dir, "ab", name=source.blocks_file) as data:
                 for weight, bits in missing:
                     values = self._weight(source, inits[weight])
                     if source.importance and bits == 4 and weight in self.stats().square_sum:
@@ -236,16 +209,15 @@ class WeightOnlyBuilder:
         return model
 
     def _keep_fp32(self, source: Source, model) -> None:
-        """The fp32 weights a candidate keeps (w8's fallbacks) that are read through a link (a
-        layered run's prepared graphs, pipeline.prepare_fp32, or a scaled source) or are scaled,
-        written into the blocks file once, scaled: ONNX Runtime refuses to follow a link out of
-        the graph's directory."""
+        """The fp32 weights a candidate keeps (w8's fallbacks) that are scaled, or read through a
+        link (a layered run's prepared graphs, pipeline.prepare_fp32: ONNX Runtime refuses to
+        follow a link out of the graph's directory), written into the source's blocks file once."""
         for init in model.graph.initializer:
             linked = stored_in(init, SHARED_WEIGHTS)
             if not linked and source.scales.get(self._keys.get(init.name)) is None:
                 continue
             if init.name not in source.copies:
-                with WeightsFile(source.dir, "ab", name=BLOCKS_FILE) as data:
+                with WeightsFile(source.dir, "ab", name=source.blocks_file) as data:
                     source.copies[init.name] = data.tensor(init.name, self._weight(source, init))
             init.CopyFrom(source.copies[init.name])
 
@@ -257,18 +229,6 @@ class WeightOnlyBuilder:
         model.ir_version = IR_VERSION
         onnx.save_model(model, str(path))
         return path
-
-
-def _linked(init):
-    """A copy of fp32 initializer ``init`` that a scaled source's directory reads through its link."""
-    from onnx import TensorProto
-
-    copy = TensorProto()
-    copy.CopyFrom(init)
-    for entry in copy.external_data:
-        if entry.key == "location":
-            entry.value = SHARED_WEIGHTS
-    return copy
 
 
 def _copy(model):

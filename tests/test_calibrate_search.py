@@ -323,7 +323,7 @@ def test_weight_only_sensitivity_is_ranked_by_the_kernel_in_one_pass(planted, st
     windows = token_windows(Tokenizer(src), read_text_data(stdlib_text[0]), 64)[:4]
     paths = prepare_fp32(src, tmp_path / "fp32")
     stats = collect_stats(paths, make_feeds(src, windows, 1), threads=1)
-    builder = WeightOnlyBuilder(paths, "decode", None, "w8", True, tmp_path / "work")
+    builder = WeightOnlyBuilder(paths, "decode", None, "w8", True)
     coarse = builder.local_errors(Candidate(block_size=128), stats.rows, threads=1)
     fine = builder.local_errors(Candidate(block_size=16), stats.rows, threads=1)
     assert sorted(coarse) == sorted(builder.weights())
@@ -430,8 +430,7 @@ def test_awq_models_are_cached_per_block_size(store, monkeypatch, tmp_path):
     fitted = []
     monkeypatch.setattr(candidates, "awq_scales", lambda model, base, stats, block, bits: fitted.append(block) or {})
     shutil.copytree(store.artifact("llama"), tmp_path / "fp32")
-    builder = WeightOnlyBuilder({"decode": tmp_path / "fp32" / "decode.onnx"}, "decode", ActivationStats, "w4", True,
-                                tmp_path / "work")
+    builder = WeightOnlyBuilder({"decode": tmp_path / "fp32" / "decode.onnx"}, "decode", ActivationStats, "w4", True)
     for block in (128, 32, 128):
         path, _ = builder.build(Candidate(awq=True, block_size=block))
         assert graph_block_sizes(onnx.load_model(str(path), load_external_data=False)) == {block}
@@ -464,7 +463,7 @@ def test_searched_graph_is_what_onnx_runtimes_quantizer_writes(scheme, tied_fp32
     from llmx.calibration.weight_only_builder import WeightOnlyBuilder
 
     fp32, weights = tied_fp32
-    builder = WeightOnlyBuilder({"decode": fp32}, "decode", None, scheme, True, tmp_path / "work")
+    builder = WeightOnlyBuilder({"decode": fp32}, "decode", None, scheme, True)
     first, _ = builder.build(Candidate(block_size=32, fallback=(weights[1],)))
     path, size = builder.build(Candidate(block_size=32))  # reuses the first one's blocks
     ours = onnx.load_model(str(path))
@@ -531,7 +530,7 @@ def test_weight_only_fallback_precision(scheme, tied_fp32, tmp_path):
     from llmx.calibration.weight_only_builder import FALLBACK_BLOCK_8BIT, WeightOnlyBuilder
 
     fp32, weights = tied_fp32
-    builder = WeightOnlyBuilder({"decode": fp32}, "decode", None, scheme, True, tmp_path / "work")
+    builder = WeightOnlyBuilder({"decode": fp32}, "decode", None, scheme, True)
     held = weights[0]
     searched = onnx.load_model(str(builder.build(Candidate(block_size=32, fallback=(held,)))[0]))
     models, _, record = builder.graphs(Candidate(block_size=32, fallback=(held,)))
