@@ -32,12 +32,31 @@ SYM_DIVISORS = tuple(np.r_[np.linspace(-9.0, -6.5, 11), np.linspace(6.0, 8.0, 9)
 # Asymmetric grid: s = (max - min) / (15 + delta), z = round(-min / s).
 ASYM_DELTAS = tuple(np.linspace(-1.5, 3.0, 16))
 IMPORTANCE_FLOOR = 1e-3  # of the mean: channels calibration never excited still count a little
+CHUNK_ELEMENTS = 1 << 17  # weights per pass over the grid (512 KiB of float32: one core's L2)
 
 
 def quantize_importance(weight: np.ndarray, block_size: int, importance: np.ndarray, symmetric: bool = True) -> Blocks:
     """4-bit blocks of ``weight`` [K, N] (for x @ weight) minimizing sum_k imp_k (w_k - s (q_k - z))^2
     per block; ``importance`` [K]: mean x_k^2 over calibration rows."""
     x, wt = _blocks(weight, block_size, importance)
+    # A few output columns at a time: every candidate's temporaries then stay in the cache
+    # instead of streaming the whole weight through memory once per op and candidate.
+    step = max(1, CHUNK_ELEMENTS // (x.shape[1] * x.shape[2]))
+    best_s, best_z = np.empty(x.shape[:2], np.float32), np.empty(x.shape[:2], np.float32)
+    for i in range(0, len(x), step):
+        best_s[i:i + step], best_z[i:i + step] = _best_scale(x[i:i + step], wt, symmetric)
+    q = np.clip(np.rint(x * _inverse(best_s)) + best_z[..., None], 0, QMAX).astype(np.uint8)
+    zero_points = None
+    if not symmetric:
+        z = best_z.astype(np.uint8)
+        if z.shape[1] % 2:
+            z = np.pad(z, ((0, 0), (0, 1)))
+        zero_points = np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))  # block 2j in the low nibble
+    return Blocks(4, pack_codes(q, 4), np.ascontiguousarray(best_s, np.float32), zero_points, block_size)
+
+
+def _best_scale(x: np.ndarray, wt: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(s, z) per block of ``x`` [columns, blocks, block_size]: the grid's best after refitting s."""
     if symmetric:
         m = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
         zero = np.full(m.shape, SYM_ZERO, np.float32)
@@ -58,14 +77,7 @@ def quantize_importance(weight: np.ndarray, block_size: int, importance: np.ndar
             better = gain > best_gain
             best_s, best_z = np.where(better, s, best_s), np.where(better, z0, best_z)
             best_gain = np.maximum(gain, best_gain)
-    q = np.clip(np.rint(x * _inverse(best_s)) + best_z[..., None], 0, QMAX).astype(np.uint8)
-    zero_points = None
-    if not symmetric:
-        z = best_z.astype(np.uint8)
-        if z.shape[1] % 2:
-            z = np.pad(z, ((0, 0), (0, 1)))
-        zero_points = np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))  # block 2j in the low nibble
-    return Blocks(4, pack_codes(q, 4), np.ascontiguousarray(best_s, np.float32), zero_points, block_size)
+    return best_s, best_z
 
 
 def _blocks(weight: np.ndarray, block_size: int, importance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,9 +98,15 @@ def _inverse(s: np.ndarray) -> np.ndarray:
 def _refit(x: np.ndarray, wt: np.ndarray, inverse: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(least-squares scale for the codes round(x / s) + z, its gain): the weighted error is
     sum wt x^2 - gain, so a candidate is scored without dequantizing."""
-    c = np.clip(np.rint(x * inverse) + zero, 0, QMAX) - zero
+    c = np.multiply(x, inverse)  # in place from here: one temporary, not one per op
+    np.rint(c, out=c)
+    c += zero
+    np.clip(c, 0, QMAX, out=c)
+    c -= zero
     wc = wt * c
-    sxc, scc = (wc * x).sum(-1), (wc * c).sum(-1)
+    sxc = np.multiply(wc, x).sum(-1)
+    wc *= c
+    scc = wc.sum(-1)
     ok = scc > 0
     s = np.where(ok, sxc / np.where(ok, scc, 1), 0).astype(np.float32)
     return s, np.where(ok, sxc * sxc / np.where(ok, scc, 1), 0)

@@ -6,18 +6,21 @@ counts), and the artifact is one more. Nothing here holds a model's weights whol
 - a **source** is the fp32 graphs with one channel scaling folded in (none, AWQ's at a block
   size, SmoothQuant's at an alpha): weightless protos over the prepared fp32 directory. The
   scaling changes small tensors only (norm weights divided by s, or an inserted Mul by 1/s, held
-  inline); the MatMul weights stay the fp32 ones and are multiplied by s as they are quantized
-  or kept, so no scaled copy of the model is ever written (an 8B model: 30 GB of disk a recipe);
+  inline); the MatMul weights stay the fp32 ones and are multiplied by s as they are quantized,
+  or kept in fp32 by a candidate (then written scaled once: w8's fallbacks, and a whole run's
+  per-layer sensitivity graphs), so a scaled recipe writes no copy of the model up front (an 8B
+  model: 30 GB of disk a recipe, which a layered run has no room for);
 - each weight's **blocks** for one (bits, block size) are quantized the first time anything asks
-  for them and appended to the source's blocks file (``blocks.bin``, ``blocks-awq-32.bin``, ...), so the fallback and per-layer candidates
-  of a recipe, and then the artifact, quantize nothing again. The rounding is ONNX Runtime's own
+  for them and appended to the source's blocks file (``blocks.bin``, ``blocks-awq-32.bin``, ...),
+  so the fallback and per-layer candidates of a recipe, and then the artifact, quantize nothing
+  again. The rounding is ONNX Runtime's own
   (``quant_blocks.quantize_blocks``, byte for byte what its MatMulNBitsQuantizer writes), except
   an AWQ source's 4-bit blocks: importance-weighted (rounding.py, with AWQ's s folded into the
   importance), activation-aware like its scales;
 - a **candidate graph** is a source proto with references into the fp32 weights and a blocks
-  file, written beside them: ONNX Runtime maps the tensors instead of parsing the model from bytes (SmolLM2-135M's
-  decode graph: a session in 0.5 s from a path, 2.1 s from bytes, which also held the model
-  twice more).
+  file, written beside them: ONNX Runtime maps the tensors instead of parsing the model from
+  bytes (SmolLM2-135M's decode graph: a session in 0.5 s from a path, 2.1 s from bytes, which
+  also held the model twice more).
 """
 
 from __future__ import annotations
@@ -73,7 +76,6 @@ class WeightOnlyBuilder:
         self.built = 0
         self._sources: dict[tuple, Source] = {}
         self._weights = [mm.weight for mm in weight_matmuls(self.fp32[graph])]
-        self._matmul_weights = {mm.weight for model in self.fp32.values() for mm in weight_matmuls(model)}
         # weight -> its group's key, how scales are keyed (the same in every graph; the searched one's first)
         self._keys = {w: key for name in sorted(self.fp32, key=lambda n: n == graph)
                       for w, key in group_keys(self.fp32[name]).items()}
