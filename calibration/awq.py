@@ -11,6 +11,7 @@ Mul, exactly as SmoothQuant's scales do (``smoothquant.apply_smoothing``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -21,8 +22,11 @@ from llmx.calibration.smoothquant import groups
 GRID = np.linspace(0.0, 1.0, 11)
 # Output columns a group's exponent is fitted on. s is per input channel and every column's
 # error sums into the objective, so evenly spaced columns estimate it: a 49k-column LM head
-# costs what a 4k one does (on SmolLM2-135M it was half of AWQ's fitting time).
+# costs what a 4k one does (on SmolLM2-135M it was half of AWQ's fitting time). The weights a
+# fit reads (input rows x columns) are capped too: an 8B model's 14336-row down projection gets
+# 1170 columns and costs what its 4096-row projections do (its fit was half of a layer's).
 FIT_COLUMNS = 4096
+FIT_WEIGHTS = 4096 * 4096
 
 
 def fake_quantize(w: np.ndarray, bits: int, block_size: int) -> np.ndarray:
@@ -31,23 +35,33 @@ def fake_quantize(w: np.ndarray, bits: int, block_size: int) -> np.ndarray:
     pad = -rows % block_size
     blocks = np.pad(w, ((0, pad), (0, 0))).reshape(-1, block_size, cols)
     top = 2 ** (bits - 1) - 1
-    scale = np.abs(blocks).max(1, keepdims=True) / top
+    # in place after the padded copy: the fit calls this 11 times per group (an 8B down projection:
+    # 59M weights each time), and every temporary of that size is a pass through memory
+    scale = np.maximum(blocks.max(1, keepdims=True), -blocks.min(1, keepdims=True))
+    scale /= top
     scale[scale == 0] = 1.0
-    q = np.clip(np.round(blocks / scale), -top - 1, top) * scale
-    return q.reshape(-1, cols)[:rows]
+    blocks /= scale
+    np.round(blocks, out=blocks)
+    np.clip(blocks, -top - 1, top, out=blocks)
+    blocks *= scale
+    return blocks.reshape(-1, cols)[:rows]
 
 
-def awq_scales(model, base_dir: Path, stats: ActivationStats, block_size: int, bits: int = 4) -> dict[str, np.ndarray]:
-    """s per MatMul group (keyed like SmoothQuant's), the best of GRID on each group's sample rows."""
+def awq_scales(model, base_dir: Path, stats: ActivationStats, block_size: int, bits: int = 4,
+               progress: Callable[[int], None] = lambda n: None) -> dict[str, np.ndarray]:
+    """s per MatMul group (keyed like SmoothQuant's), the best of GRID on each group's sample rows;
+    ``progress(1)`` after each group."""
     inits = initializers(model)
     scales = {}
     for group in groups(model):
+        progress(1)
         if group.key not in stats.rows:
             continue
         x = stats.rows[group.key].astype(np.float32)
         w = np.concatenate([read_array(inits[name], base_dir) for name in group.weights], axis=1).astype(np.float32)
-        if w.shape[1] > FIT_COLUMNS:
-            w = np.ascontiguousarray(w[:, np.linspace(0, w.shape[1] - 1, FIT_COLUMNS).astype(np.int64)])
+        columns = min(FIT_COLUMNS, max(1, FIT_WEIGHTS // w.shape[0]))
+        if w.shape[1] > columns:
+            w = np.ascontiguousarray(w[:, np.linspace(0, w.shape[1] - 1, columns).astype(np.int64)])
         s = best_scale(x, w, stats.mean_abs(group.key), block_size, bits)
         if s is not None:
             scales[group.key] = s

@@ -49,7 +49,7 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
             lazy = LazyStatistics(reference_graphs(source, paths, options), make_feeds(source, windows, options.threads),
                                   options, progress, stats)
             graph = "embed" if source.manifest.kind == "encoder" else "decode"
-            builder = WeightOnlyBuilder(paths, graph, lazy, options.scheme, options.symmetric)
+            builder = WeightOnlyBuilder(paths, graph, lazy, options.scheme, options.symmetric, progress)
         candidate = Candidate(alpha=options.smoothquant, awq=options.awq, fallback=tuple(options.fallback),
                               block_size=options.block_size)
         models, weights_dir, scaling = builder.graphs(candidate)

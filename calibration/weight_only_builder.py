@@ -38,7 +38,8 @@ from llmx.calibration.candidates import Candidate, graph_bytes
 from llmx.calibration.matmuls import ROW_SCALES, SHARED_WEIGHTS, initializers, read_array, weight_matmuls
 from llmx.calibration.rounding import quantize_importance
 from llmx.calibration.sensitivity import group_keys, nbits_probe, quantized_product, relative_error
-from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
+from llmx.calibration.progress import Progress, silent
+from llmx.calibration.smoothquant import apply_smoothing, groups, smoothing_scales
 from llmx.calibration.weight_only import BITS, lookups_from_blocks
 from llmx.quant_blocks import CPU_ACCURACY_LEVEL, NBitsWeight, quantize_blocks, replace_matmuls
 
@@ -64,13 +65,18 @@ class Source:
 
 class WeightOnlyBuilder:
     def __init__(self, fp32: dict[str, Path], graph: str, stats: Callable[[], ActivationStats] | None, scheme: str,
-                 symmetric: bool):
+                 symmetric: bool, progress: Progress = silent, fit_once: bool = False):
         """``fp32``: the graphs by name, in one directory that must be the caller's own copy
         (pipeline.prepare_fp32): every recipe's blocks and graphs are written beside it, as ONNX
         Runtime reads external data only from a graph's own directory (a link out is refused, and
         onnx refuses a hard-linked file). ``graph``: the one the search scores. ``stats()`` gives
-        the activation statistics (collected on first call: round-to-nearest never needs them)."""
-        self.graph, self.stats, self.scheme, self.symmetric = graph, stats, scheme, symmetric
+        the activation statistics (collected on first call: round-to-nearest never needs them).
+        ``progress``: bars for what takes minutes on a big model (fitting AWQ, quantizing a recipe).
+        ``fit_once``: AWQ's scales fitted at the first block size serve the others (a model
+        calibrated a layer at a time: an 8B fit takes minutes, and the blocks are rounded by
+        importance at each size anyway)."""
+        self.graph, self.stats, self.scheme, self.symmetric, self.progress = graph, stats, scheme, symmetric, progress
+        self.fit_once, self._awq = fit_once, None  # (block size fitted at, scales) once fitted
         self.fp32 = {name: load_graph(path) for name, path in fp32.items()}
         self.fp32_dir = fp32[graph].parent
         self.built = 0
@@ -103,8 +109,14 @@ class WeightOnlyBuilder:
         they read them."""
         models = {name: _copy(model) for name, model in self.fp32.items()}
         searched = models[self.graph]
-        if candidate.awq:
-            scales = awq_scales(searched, self.fp32_dir, self.stats(), candidate.block_size, BITS[self.scheme])
+        fitted = None
+        if candidate.awq and self.fit_once and self._awq is not None:
+            fitted, scales = self._awq
+        elif candidate.awq:
+            stats = self.stats()
+            with self.progress(f"fitting AWQ scales (block {candidate.block_size})", len(groups(searched))) as bar:
+                scales = awq_scales(searched, self.fp32_dir, stats, candidate.block_size, BITS[self.scheme], bar.update)
+            self._awq = (candidate.block_size, scales)
         else:
             scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
         fp32 = {init.name: init for model in self.fp32.values() for init in model.graph.initializer}
@@ -113,7 +125,8 @@ class WeightOnlyBuilder:
                   for name, model in models.items()}
         record = {"groups": len(scales), "per_graph": counts}
         if candidate.awq:  # activation-aware all the way: the scaled weights are rounded by importance too
-            record = {"awq": {**record, "rounding": "importance"}}
+            record = {"awq": {**record, "rounding": "importance",
+                              **({"fitted_at_block_size": fitted} if fitted is not None else {})}}
         else:
             record = {"smoothquant": {"alpha": candidate.alpha, **record}}
         return Source(self.fp32_dir, models, scales, record, importance=candidate.awq,
@@ -131,7 +144,9 @@ class WeightOnlyBuilder:
         inits = initializers(source.models[self.graph])
         missing = [(w, bits) for w, bits in weights if (w, bits, block_size) not in source.blocks]
         if missing:
-            with WeightsFile(source.dir, "ab", name=source.blocks_file) as data:
+            bars = self.progress if len(missing) > 1 else silent  # one weight: inside a caller's bar
+            with WeightsFile(source.dir, "ab", name=source.blocks_file) as data, \
+                    bars(f"quantizing {len(missing)} weights (block {block_size})", len(missing)) as bar:
                 for weight, bits in missing:
                     values = self._weight(source, inits[weight])
                     if source.importance and bits == 4 and weight in self.stats().square_sum:
@@ -143,6 +158,7 @@ class WeightOnlyBuilder:
                     tensors = [data.tensor(name, array) for name, array in blocks.arrays(weight)]
                     k = int(inits[weight].dims[0])
                     source.blocks[(weight, bits, block_size)] = NBitsWeight.of(blocks, k, tensors)
+                    bar.update(1)
         return {w: source.blocks[(w, bits, block_size)] for w, bits in weights}
 
     def local_errors(self, candidate: Candidate, rows: dict[str, np.ndarray], threads: int | None = None,

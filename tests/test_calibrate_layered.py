@@ -238,13 +238,33 @@ def test_scaled_recipes_keep_only_their_blocks(store, text, tmp_path, layered):
 
 
 def test_awq_builds_the_same_artifact_whole_and_layered(store, text, tmp_path):
-    built = []
+    """... and says how far it is in what takes minutes on a big model: fitting AWQ's scales
+    (a bar over the MatMul groups) and quantizing the recipe (a bar over the weights)."""
+    built, bars = [], {}
+
+    class Bar:
+        def __init__(self, description, total):
+            self.description, self.total, self.done = description, total, 0
+            bars.setdefault(description, []).append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            self.done += n
+
     for layered in (False, True):
         out = tmp_path / f"awq-{layered}"
         options = CalibrationOptions(scheme="w4", awq=True, block_size=32, fallback=(), layered=layered, **SMALL)
-        assert calibrate_artifact(store.artifact("llama"), out, text, options).precision.awq
+        assert calibrate_artifact(store.artifact("llama"), out, text, options, progress=Bar).precision.awq
         built.append((out / "weights.bin").read_bytes())
     assert built[0] == built[1]
+    fits = bars["fitting AWQ scales (block 32)"]
+    quantized = next(v for k, v in bars.items() if k.startswith("quantizing") and k.endswith("(block 32)"))
+    assert len(fits) == 2 and all(b.total == b.done > 0 for b in fits + quantized)
 
 
 def test_stored_tensors_keep_no_copy_of_their_bytes(tmp_path):
