@@ -217,8 +217,7 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], Acti
     if options.scheme == "w8a8":
         builder = StaticBuilder(paths[judge.graph], judge.graph, stats(), feeds, options.per_channel, work)
     else:
-        builder = WeightOnlyBuilder(paths, judge.graph, stats, options.scheme, options.symmetric, progress,
-                                    fit_once=bool(options.layered))
+        builder = WeightOnlyBuilder(paths, judge.graph, stats, options.scheme, options.symmetric, progress)
     log(f"search: {describe_target(target, encoder)} on {len(held_out)} held-out "
         f"{'sentences' if encoder else 'windows'} ({judge.graph} graph); fp32 {format_fp32(judge.fp32_speed)}")
     search = Search(judge, builder, target, options.threads, log, progress, layered=bool(options.layered))

@@ -65,18 +65,14 @@ class Source:
 
 class WeightOnlyBuilder:
     def __init__(self, fp32: dict[str, Path], graph: str, stats: Callable[[], ActivationStats] | None, scheme: str,
-                 symmetric: bool, progress: Progress = silent, fit_once: bool = False):
+                 symmetric: bool, progress: Progress = silent):
         """``fp32``: the graphs by name, in one directory that must be the caller's own copy
         (pipeline.prepare_fp32): every recipe's blocks and graphs are written beside it, as ONNX
         Runtime reads external data only from a graph's own directory (a link out is refused, and
         onnx refuses a hard-linked file). ``graph``: the one the search scores. ``stats()`` gives
         the activation statistics (collected on first call: round-to-nearest never needs them).
-        ``progress``: bars for what takes minutes on a big model (fitting AWQ, quantizing a recipe).
-        ``fit_once``: AWQ's scales fitted at the first block size serve the others (a model
-        calibrated a layer at a time: an 8B fit takes minutes, and the blocks are rounded by
-        importance at each size anyway)."""
+        ``progress``: bars for what takes minutes on a big model (fitting AWQ, quantizing a recipe)."""
         self.graph, self.stats, self.scheme, self.symmetric, self.progress = graph, stats, scheme, symmetric, progress
-        self.fit_once, self._awq = fit_once, None  # (block size fitted at, scales) once fitted
         self.fp32 = {name: load_graph(path) for name, path in fp32.items()}
         self.fp32_dir = fp32[graph].parent
         self.built = 0
@@ -109,14 +105,12 @@ class WeightOnlyBuilder:
         they read them."""
         models = {name: _copy(model) for name, model in self.fp32.items()}
         searched = models[self.graph]
-        fitted = None
-        if candidate.awq and self.fit_once and self._awq is not None:
-            fitted, scales = self._awq
-        elif candidate.awq:
+        if candidate.awq:
+            # fitted per block size: scales fitted at 128 and used at 32 cost SmolLM2's layered w4
+            # pick 1.0201 -> 1.0411 on other text (an 8B fit takes 3.5 minutes a block size)
             stats = self.stats()
             with self.progress(f"fitting AWQ scales (block {candidate.block_size})", len(groups(searched))) as bar:
                 scales = awq_scales(searched, self.fp32_dir, stats, candidate.block_size, BITS[self.scheme], bar.update)
-            self._awq = (candidate.block_size, scales)
         else:
             scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
         fp32 = {init.name: init for model in self.fp32.values() for init in model.graph.initializer}
@@ -125,8 +119,7 @@ class WeightOnlyBuilder:
                   for name, model in models.items()}
         record = {"groups": len(scales), "per_graph": counts}
         if candidate.awq:  # activation-aware all the way: the scaled weights are rounded by importance too
-            record = {"awq": {**record, "rounding": "importance",
-                              **({"fitted_at_block_size": fitted} if fitted is not None else {})}}
+            record = {"awq": {**record, "rounding": "importance"}}
         else:
             record = {"smoothquant": {"alpha": candidate.alpha, **record}}
         return Source(self.fp32_dir, models, scales, record, importance=candidate.awq,

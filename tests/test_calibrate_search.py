@@ -420,11 +420,8 @@ def test_importance_rounding_beats_round_to_nearest_on_the_kernels_output(symmet
     assert np.all(weighted_error(ours) <= weighted_error(theirs) * (1 + 1e-4) + 1e-6)
 
 
-@pytest.mark.parametrize("fit_once", [False, True])
-def test_awq_models_are_cached_per_block_size(store, monkeypatch, tmp_path, fit_once):
-    """AWQ's scales are fitted to the blocks they round in: one smoothed model per block size,
-    reused. ``fit_once`` (a layered run: an 8B fit takes minutes) fits at the first block size
-    only, and the other sizes' records say where their scales come from."""
+def test_awq_models_are_cached_per_block_size(store, monkeypatch, tmp_path):
+    """AWQ's scales are fitted to the blocks they round in: one smoothed model per block size, reused."""
     import llmx.calibration.weight_only_builder as candidates
     from llmx.calibration.activations import ActivationStats
     from llmx.calibration.candidates import Candidate
@@ -434,14 +431,11 @@ def test_awq_models_are_cached_per_block_size(store, monkeypatch, tmp_path, fit_
     monkeypatch.setattr(candidates, "awq_scales",
                         lambda model, base, stats, block, bits, progress: fitted.append(block) or {})
     shutil.copytree(store.artifact("llama"), tmp_path / "fp32")
-    builder = WeightOnlyBuilder({"decode": tmp_path / "fp32" / "decode.onnx"}, "decode", ActivationStats, "w4", True,
-                                fit_once=fit_once)
+    builder = WeightOnlyBuilder({"decode": tmp_path / "fp32" / "decode.onnx"}, "decode", ActivationStats, "w4", True)
     for block in (128, 32, 128):
         path, _ = builder.build(Candidate(awq=True, block_size=block))
         assert graph_block_sizes(onnx.load_model(str(path), load_external_data=False)) == {block}
-    assert fitted == ([128] if fit_once else [128, 32])
-    record = builder.source(Candidate(awq=True, block_size=32)).record["awq"]
-    assert record.get("fitted_at_block_size") == (128 if fit_once else None)
+    assert fitted == [128, 32]
     assert builder.source(Candidate(awq=False, block_size=128)).models is builder.fp32
 
 
