@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh main             # onnxruntime-gpu, pytest -m gpu, parity, speed -> $OUT
 #   bash benchmarks/gpu_run.sh rtx              # TensorRT-RTX probe -> $OUT
 #   bash benchmarks/gpu_run.sh suite            # pytest -m gpu alone -> $OUT (carry with NOPREP=1)
+#   bash benchmarks/gpu_run.sh serve            # llmx serve on ort-cuda vs ort-cpu, the demo model -> $OUT
 # `prep` (started by the first carry) writes the random-weight checkpoint and builds every artifact
 # and genai model on the CPU while later parts travel; `main` finishes what it could not.
 set -u
@@ -77,10 +78,16 @@ suite)  # the GPU tests alone, on the code as it is now: a regression check for 
   set -o pipefail
   timeout 420 python3 -m pytest -m gpu -v -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
     | tee "$OUT/pytest_gpu.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed" ;;
+serve)  # llmx serve --backend ort-cuda against ort-cpu on the demo model: the same completions
+  mkdir -p "$OUT"
+  PARTS=/tmp/ortparts SMALL=/tmp/small source benchmarks/gpu_env.sh || exit 1
+  python3 -c "from llmx.cli import main; main()" export llmx/demo_model -o /tmp/demo-art --force > "$OUT/export.log" 2>&1 \
+    || { tail -5 "$OUT/export.log"; exit 1; }
+  timeout 400 python3 benchmarks/gpu_serve_check.py /tmp/demo-art --out "$OUT/serve_check.json" 2>&1 | tail -20 ;;
 rtx)
   mkdir -p "$OUT" /tmp/rtxwheels
   cat /tmp/rtxparts/rtx_* | tar -xf - -C /tmp/rtxwheels
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site_rtx /tmp/rtxwheels/*.whl || exit 1
   PYTHONPATH=/tmp/site_rtx:${PYTHONPATH:-} python3 benchmarks/trt_rtx_probe.py --onnx "$WORK/art-demo/decode.onnx" --out "$OUT/trt_rtx_probe.json" ;;
-*) echo "usage: gpu_run.sh split|carry FOLDER...|main|rtx"; exit 2 ;;
+*) echo "usage: gpu_run.sh split|carry FOLDER...|main|suite|serve|rtx"; exit 2 ;;
 esac
