@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 PROMPTS = ["def parse_args(", "import os\nimport sys\n\n", "class Config:\n    def __init__(self", "for i in range(",
            "# Read the file and", "with open(path) as f:", "return sorted(", "if __name__ == '__main__':"]
@@ -37,7 +39,8 @@ def post(url: str, body: dict, stream: bool = False) -> str:
 
 def serve(artifact: str, backend: str, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", "from llmx.cli import main; main()", "serve", artifact, "--backend",
-                             backend, "--port", str(port), "--max-batch", "8", "--quiet"])
+                             backend, "--port", str(port), "--max-batch", "8"],
+                            stderr=open(Path(os.environ.get("OUT", "/tmp")) / f"server-{backend}.log", "w"))
     for _ in range(240):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:

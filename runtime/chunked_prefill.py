@@ -53,5 +53,6 @@ class ChunkedPrefill:
         return len(ids)
 
     def entries(self) -> list[np.ndarray]:
-        """The prompt's KV, one [kv_heads, prompt_len, head_dim] array per cache buffer."""
-        return [buf[0, :, : self.done] for buf in self.cache.buffers]
+        """The prompt's KV, one [kv_heads, prompt_len, head_dim] array per cache buffer, on the
+        host: read through the cache (a device cache's buffers are addresses)."""
+        return self.cache.read(0, 0, self.done)

@@ -165,6 +165,36 @@ def test_ort_device_backend_generates_what_the_cpu_backend_does(built, device, p
         assert got == [s.output_ids for s in generate(cpu.backend, cpu.tokenizer, prompts, PARAMS, padding)]
 
 
+def test_chunked_and_prefix_cached_prompts_join_from_a_device_cache(built, device):
+    """The server's long and prefix-cached prompts run in a one-row cache of their own
+    (ChunkedPrefill) and join the batch with that row's keys and values, read back through the
+    cache: on a GPU backend too, whose buffers are device addresses (on a lent H200, ort-cuda's
+    first prefix-cache hit answered 500). Same KV and logits as the CPU backend, chunked and
+    resumed from a cached prefix."""
+    from llmx.runtime.chunked_prefill import ChunkedPrefill
+    from llmx.runtime.ort_device_backend import OrtDeviceBackend
+    from llmx.runtime.sequence import Sequence
+
+    art = built("fp32", "split")
+    cpu = Engine.load(art, threads=1)
+    gpu = OrtDeviceBackend(Artifact.open(art), provider="cpu", threads=1)
+    ids = cpu.encode(PROMPTS[0] + PROMPTS[1])
+    runs = {}
+    for name, backend in (("cpu", cpu.backend), ("device", gpu)):
+        whole = ChunkedPrefill(backend, Sequence(ids, PARAMS[0], cpu.tokenizer, 128), chunk=5)
+        while not whole.finished:
+            whole.step()
+        prefix = (4, [e[:, :4] for e in whole.entries()])
+        warm = ChunkedPrefill(backend, Sequence(ids, PARAMS[0], cpu.tokenizer, 128), len(ids) - 4, prefix)
+        warm.step()
+        runs[name] = [(p.entries(), p.logits) for p in (whole, warm)]
+    for (cpu_kv, cpu_logits), (dev_kv, dev_logits) in zip(runs["cpu"], runs["device"]):
+        assert len(dev_kv) == len(cpu_kv) and dev_kv[0].shape == cpu_kv[0].shape == (dev_kv[0].shape[0], len(ids), dev_kv[0].shape[2])
+        for a, b in zip(cpu_kv, dev_kv):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(dev_logits, cpu_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_captured_decode_steps_generate_what_the_cpu_backend_does(built, device, monkeypatch):
     """The CUDA-graph decode path (fixed buffers per shape, a mask over the whole capacity), run
     on the CPU provider: same tokens as plain decoding, one buffer set per shape, and evicted
