@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmx.artifact.onnx_files import load_graph, save_graphs
+from llmx.artifact.onnx_files import load_graph, save_graphs, stored_bytes
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.matmuls import drop_unused_initializers, initializers, read_array, weight_matmuls
 from llmx.calibration.sensitivity import PROBE_INPUT, group_keys, probe_model, quantized_product, relative_error
@@ -46,11 +46,7 @@ class Candidate:
 
 def graph_bytes(model, base_dir: Path | None = None) -> int:
     """Bytes of a graph's tensors: external lengths where stored outside, else the inline bytes."""
-    total = 0
-    for init in model.graph.initializer:
-        info = {e.key: e.value for e in init.external_data}
-        total += int(info["length"]) if "length" in info else len(init.raw_data) or init.ByteSize()
-    return total
+    return sum(stored_bytes(init) for init in model.graph.initializer)
 
 
 class StaticBuilder:

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from llmx.artifact.onnx_files import IR_VERSION, load_graph
+from llmx.artifact.onnx_files import IR_VERSION, load_graph, stored_bytes
 
 LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 
@@ -91,12 +91,7 @@ def cut(model) -> list[Stage]:
 
 def largest_stage_bytes(model) -> int:
     """The most weight bytes one stage reads: what a layered run holds at once."""
-    from onnx import helper
-
-    sizes = {}
-    for init in model.graph.initializer:
-        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
-        sizes[init.name] = int(np.prod(init.dims, dtype=np.int64)) * itemsize
+    sizes = {init.name: stored_bytes(init) for init in model.graph.initializer}
     return max((sum(sizes[n] for n in stage.initializers) for stage in cut(model)), default=0)
 
 

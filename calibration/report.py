@@ -12,14 +12,11 @@ import json
 from pathlib import Path
 from typing import Callable, Iterable
 
-import numpy as np
-
 from llmx.artifact.handle import Artifact
 from llmx.calibration.judge import ArraysOnDisk, reference_logprobs
 from llmx.calibration.search import format_search
-from llmx.compare import Agreement
 from llmx.runtime.engine import make_backend
-from llmx.runtime.evaluate import agreement, window_logprobs
+from llmx.runtime.evaluate import agree, agreement, window_logprobs
 
 REPORT_FILE = "quality.json"
 
@@ -40,11 +37,7 @@ def measure(reference: Artifact, candidate: Artifact, windows: list[list[int]], 
         ref = make_backend(reference, "ort-cpu", threads=threads, lazy_prefill=True)
         result = agreement(ref, cand, windows, progress).summary()
     else:
-        result = Agreement()
-        for window, ref_logprobs, logprobs in zip(windows, fp32_logprobs, window_logprobs(cand, windows)):
-            result.add(ref_logprobs, logprobs, np.asarray(window[1:]))
-            progress(1)
-        result = result.summary()
+        result = agree(fp32_logprobs, window_logprobs(cand, windows), windows, progress).summary()
     return {
         "fp32": {"perplexity": result["reference_perplexity"], "graph_bytes": reference.graph_bytes()},
         "quantized": {"perplexity": result["perplexity"], "graph_bytes": candidate.graph_bytes()},

@@ -22,7 +22,6 @@ a pick slower than the fp32 graph is said loudly.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 from llmx.calibration.activations import ActivationStats
 from llmx.calibration.candidates import Candidate, StaticBuilder, by_sensitivity
 from llmx.calibration.judge import make_judge, meets, ratio_bound, session
+from llmx.calibration.layered import layer_of
 from llmx.calibration.progress import Progress, silent
 from llmx.calibration.weight_only_builder import WeightOnlyBuilder
 from llmx.errors import LlmxError
@@ -266,8 +266,8 @@ def by_layer(weights: list[str]) -> list[list[str]]:
     head) is a group of its own. Graph order."""
     groups: dict[str, list[str]] = {}
     for w in weights:
-        found = re.search(r"(?:^|\.)layers?\.(\d+)\.", w)
-        groups.setdefault(f"layer {found.group(1)}" if found else w, []).append(w)
+        layer = layer_of(w)
+        groups.setdefault(f"layer {layer}" if layer >= 0 else w, []).append(w)
     return list(groups.values())
 
 

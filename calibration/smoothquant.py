@@ -133,14 +133,11 @@ def smoothing_scales(model, base_dir: Path, absmax: dict[str, np.ndarray], alpha
 
 # -- the transform ---------------------------------------------------------------------------
 
-def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray],
-                    scaled: Callable[[str, Callable[[], np.ndarray]], object] | None = None) -> dict[str, int]:
-    """Scale weights by s and their inputs by 1/s, in place. Returns counts of folded/inserted.
-
-    Scaled weights are kept inline unless ``scaled(name, values)`` is given: it takes a weight's
-    name and a function computing its scaled values and returns the initializer to use (a
-    reference to where it wrote them), so at most one is held in memory, and a weight several
-    graphs share can be computed once."""
+def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray], scale_weights: bool = True) -> dict[str, int]:
+    """Scale weights by s (kept inline) and their inputs by 1/s, in place. Returns counts of
+    folded/inserted. ``scale_weights=False``: the inputs' side only, the weights left as they are
+    for a caller that multiplies them by s as it reads them (weight_only_builder: an 8B model's
+    scaled weights would be another 30 GB)."""
     inits = initializers(model)
     users, makers = consumers(model), producers(model)
     counts = {"folded": 0, "inserted": 0}
@@ -150,10 +147,8 @@ def apply_smoothing(model, base_dir: Path, scales: dict[str, np.ndarray],
         if s is None:
             continue
         for w in group.weights:
-            if scaled is None:
+            if scale_weights:
                 replace_initializer(model, w, read_array(inits[w], base_dir) * s[:, None])
-            else:
-                inits[w].CopyFrom(scaled(w, lambda w=w, s=s: read_array(inits[w], base_dir) * s[:, None]))
             if w + LOOKUP in inits:  # a tied head: its lookup, if it reads the head's blocks, divides by s
                 row_scales[w + ROW_SCALES] = s
         group_nodes = {id(n) for n in users.get(group.activation, []) if n.op_type == "MatMul"}

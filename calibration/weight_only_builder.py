@@ -113,9 +113,7 @@ class WeightOnlyBuilder:
                 scales = awq_scales(searched, self.fp32_dir, stats, candidate.block_size, BITS[self.scheme], bar.update)
         else:
             scales = smoothing_scales(searched, self.fp32_dir, self.stats().merged_absmax(), candidate.alpha)
-        fp32 = {init.name: init for model in self.fp32.values() for init in model.graph.initializer}
-        # apply_smoothing's writer: nothing computed, nothing written, the fp32 reference kept
-        counts = {name: apply_smoothing(model, self.fp32_dir, scales, lambda w, values: fp32[w])
+        counts = {name: apply_smoothing(model, self.fp32_dir, scales, scale_weights=False)
                   for name, model in models.items()}
         record = {"groups": len(scales), "per_graph": counts}
         if candidate.awq:  # activation-aware all the way: the scaled weights are rounded by importance too
@@ -125,10 +123,14 @@ class WeightOnlyBuilder:
         return Source(self.fp32_dir, models, scales, record, importance=candidate.awq,
                       blocks_file=f"blocks-{'-'.join(map(str, key))}.bin")
 
+    def _scale(self, source: Source, weight: str) -> np.ndarray | None:
+        """s of ``weight``'s group under ``source`` (None: unscaled)."""
+        return source.scales.get(self._keys.get(weight))
+
     def _weight(self, source: Source, init) -> np.ndarray:
         """A MatMul weight of ``source`` as its recipe quantizes it: fp32, times s for a scaled group."""
         values = read_array(init, source.dir)
-        s = source.scales.get(self._keys.get(init.name))
+        s = self._scale(source, init.name)
         return values if s is None else values * s[:, None]
 
     def blocks(self, source: Source, weights: list[tuple[str, int]], block_size: int) -> dict[str, NBitsWeight]:
@@ -143,7 +145,7 @@ class WeightOnlyBuilder:
                 for weight, bits in missing:
                     values = self._weight(source, inits[weight])
                     if source.importance and bits == 4 and weight in self.stats().square_sum:
-                        s = source.scales.get(self._keys[weight])
+                        s = self._scale(source, weight)
                         importance = self.stats().mean_square(weight) / (1.0 if s is None else np.square(s))
                         blocks = quantize_importance(values, block_size, importance, self.symmetric)
                     else:
@@ -164,7 +166,7 @@ class WeightOnlyBuilder:
         source, reference = self.source(candidate), initializers(self.fp32[self.graph])
         found = {}
         for weight in self.weights():
-            s = source.scales.get(self._keys[weight])
+            s = self._scale(source, weight)
             x = rows[weight]
             exact = x @ read_array(reference[weight], self.fp32_dir)
             nbits = self.blocks(source, [(weight, BITS[self.scheme])], candidate.block_size)[weight]
@@ -225,7 +227,7 @@ class WeightOnlyBuilder:
         follow a link out of the graph's directory), written into the source's blocks file once."""
         for init in model.graph.initializer:
             linked = stored_in(init, SHARED_WEIGHTS)
-            if not linked and source.scales.get(self._keys.get(init.name)) is None:
+            if not linked and self._scale(source, init.name) is None:
                 continue
             if init.name not in source.copies:
                 with WeightsFile(source.dir, "ab", name=source.blocks_file) as data:

@@ -72,10 +72,15 @@ def perplexity(backend, windows: list[list[int]], progress: Callable[[int], None
 
 def agreement(reference, candidate, windows: list[list[int]], progress: Callable[[int], None] = lambda n: None) -> Agreement:
     """Score two backends window by window (one window's logits of each in memory at a time)."""
+    return agree((next(iter(window_logprobs(reference, [w]))) for w in windows),
+                 (next(iter(window_logprobs(candidate, [w]))) for w in windows), windows, progress)
+
+
+def agree(reference: Iterable[np.ndarray], candidate: Iterable[np.ndarray], windows: list[list[int]],
+          progress: Callable[[int], None] = lambda n: None) -> Agreement:
+    """Score two sides' log-probabilities of ``windows``, one window of each at a time, in order."""
     result = Agreement()
-    for window in windows:
-        ref = next(iter(window_logprobs(reference, [window])))
-        cand = next(iter(window_logprobs(candidate, [window])))
+    for window, ref, cand in zip(windows, reference, candidate):
         result.add(ref, cand, np.asarray(window[1:]))
         progress(1)
     return result

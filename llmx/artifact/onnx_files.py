@@ -186,6 +186,19 @@ def stored_in(init, location: str = WEIGHTS_FILE) -> bool:
     return any(e.key == "location" and e.value == location for e in init.external_data)
 
 
+def stored_bytes(init) -> int:
+    """Bytes of initializer ``init``'s values, without reading them: its external length, its inline
+    bytes, else its dims times its type's size (a reference written without a length)."""
+    onnx = _onnx()
+    info = {e.key: e.value for e in init.external_data}
+    if "length" in info:
+        return int(info["length"])
+    if init.raw_data:
+        return len(init.raw_data)
+    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(init.data_type)).itemsize
+    return int(np.prod(init.dims, dtype=np.int64)) * itemsize
+
+
 def load_graph(path: Path, with_weights: bool = False) -> "onnx.ModelProto":
     onnx = _onnx()
     return onnx.load_model(str(path), load_external_data=with_weights)
