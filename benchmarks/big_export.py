@@ -2,6 +2,7 @@
 
     python benchmarks/big_export.py [--shape smollm-135m|tinyllama-1.1b|qwen3-4b|llama3.1-8b] [--graphs fused]
                                     [--precision fp32|fp16|bf16|w8|w4] [--work DIR] [--keep] [--gguf Q8_0]
+                                    [--layers N]
 
 ``--shape`` picks the checkpoint (default the TinyLlama-1.1B shape below; qwen3-4b: 36 layers,
 hidden 2560, q/k norms, tied head, vocab 151936; llama3.1-8b: 32 layers, hidden 4096, 8 KV
@@ -224,12 +225,15 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
     parser.add_argument("--graphs", choices=["portable", "fused"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "fp16", "bf16", "w8", "w4"])
+    parser.add_argument("--layers", type=int, help="a shorter stack of the shape's widths (a quick proxy: memory "
+                                                   "per layer and the vocabulary's tensors are the real ones)")
     args = parser.parse_args()
     global SHAPE
-    SHAPE = SHAPES[args.shape]
+    SHAPE = SHAPES[args.shape] if args.layers is None else {**SHAPES[args.shape], "num_hidden_layers": args.layers}
     flags = [*(["--graphs", args.graphs] if args.graphs else []), "--precision", args.precision]
     t0 = time.perf_counter()
-    ckpt, params = build_checkpoint(args.work / f"ckpt-{args.shape}")
+    name = args.shape if args.layers is None else f"{args.shape}-{args.layers}l"
+    ckpt, params = build_checkpoint(args.work / f"ckpt-{name}")
     source = write_gguf(ckpt, args.work / f"tinyllama-{args.gguf}.gguf", args.gguf) if args.gguf else ckpt
     build_s = time.perf_counter() - t0
     fp32_bytes = params * 4
@@ -239,7 +243,7 @@ def main() -> None:
     gib = 2**30
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "shape": args.shape, "config": SHAPE, "parameters": params, "checkpoint_dtype": "bfloat16",
+        "shape": name, "config": SHAPE, "parameters": params, "checkpoint_dtype": "bfloat16",
         "export_flags": [] if args.gguf else flags,
         "source": f"gguf {args.gguf}" if args.gguf else "safetensors",
         "fp32_weight_bytes": fp32_bytes, "artifact_bytes": artifact_bytes,
@@ -253,13 +257,13 @@ def main() -> None:
           f"| {record['peak_rss_over_fp32']} | {result['wall_s']} | {artifact_bytes / gib:.2f} |")
     results = HERE / "results"
     results.mkdir(exist_ok=True)
-    label = f"_gguf_{args.gguf}" if args.gguf else f"_{args.shape}_{args.graphs or 'default'}_{args.precision}"
+    label = f"_gguf_{args.gguf}" if args.gguf else f"_{name}_{args.graphs or 'default'}_{args.precision}"
     path = results / f"big_export{label}_{datetime.now(timezone.utc):%Y-%m-%d_%H%M}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {path}")
     if not args.keep:
         shutil.rmtree(args.work / "art", ignore_errors=True)
-        shutil.rmtree(args.work / f"ckpt-{args.shape}", ignore_errors=True)
+        shutil.rmtree(args.work / f"ckpt-{name}", ignore_errors=True)
 
 
 if __name__ == "__main__":
