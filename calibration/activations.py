@@ -16,10 +16,11 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from llmx.calibration.on_disk import ArrayMapOnDisk
 from llmx.calibration.smoothquant import matmul_inputs
 
 SAMPLE_ROWS = 256  # rows of X kept per MatMul input (AWQ's search: enough to rank a few scales)
@@ -31,7 +32,7 @@ class ActivationStats:
     abs_sum: dict[str, np.ndarray] = field(default_factory=dict)
     square_sum: dict[str, np.ndarray] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
-    rows: dict[str, np.ndarray] = field(default_factory=dict)
+    rows: Mapping[str, np.ndarray] = field(default_factory=dict)  # a dict while collected; spill() moves it
 
     def merged_absmax(self) -> dict[str, np.ndarray]:
         """Max over all graphs: what one set of smoothing scales for both graphs must cover."""
@@ -46,6 +47,11 @@ class ActivationStats:
 
     def mean_square(self, weight: str) -> np.ndarray:
         return self.square_sum[weight] / max(1, self.count[weight])
+
+    def spill(self, path: Path) -> None:
+        """The sampled rows to ``path``, read back per use: they then leave a candidate's session
+        the memory they held (an 8B model's: 0.8 GB). No row is added after."""
+        self.rows = ArrayMapOnDisk(path, self.rows)
 
     def add(self, graph: str, weights: list[str], value: np.ndarray, rng: np.random.Generator) -> None:
         flat = value.reshape(-1, value.shape[-1]).astype(np.float32)

@@ -58,14 +58,29 @@ def awq_scales(model, base_dir: Path, stats: ActivationStats, block_size: int, b
         if group.key not in stats.rows:
             continue
         x = stats.rows[group.key].astype(np.float32)
-        w = np.concatenate([read_array(inits[name], base_dir) for name in group.weights], axis=1).astype(np.float32)
-        columns = min(FIT_COLUMNS, max(1, FIT_WEIGHTS // w.shape[0]))
-        if w.shape[1] > columns:
-            w = np.ascontiguousarray(w[:, np.linspace(0, w.shape[1] - 1, columns).astype(np.int64)])
-        s = best_scale(x, w, stats.mean_abs(group.key), block_size, bits)
+        s = best_scale(x, fit_columns([inits[name] for name in group.weights], base_dir),
+                       stats.mean_abs(group.key), block_size, bits)
         if s is not None:
             scales[group.key] = s
     return scales
+
+
+def fit_columns(weights: list, base_dir: Path) -> np.ndarray:
+    """The group's weights side by side [in, out], evenly spaced columns of them when there are
+    more than the fit reads; taken from each weight as it is read, so no copy of the whole group
+    (an 8B model's LM head: 2.1 GB) is made beside it."""
+    widths = [int(init.dims[1]) for init in weights]
+    columns = min(FIT_COLUMNS, max(1, FIT_WEIGHTS // int(weights[0].dims[0])))
+    total = sum(widths)
+    picked = np.linspace(0, total - 1, columns).astype(np.int64) if total > columns else np.arange(total)
+    parts, start = [], 0
+    for init, width in zip(weights, widths):
+        mine = picked[(picked >= start) & (picked < start + width)] - start
+        if len(mine):
+            values = read_array(init, base_dir)
+            parts.append(np.asarray(values if len(mine) == width else values[:, mine], np.float32))
+        start += width
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
 
 
 def best_scale(x: np.ndarray, w: np.ndarray, mean_abs: np.ndarray, block_size: int, bits: int) -> np.ndarray | None:

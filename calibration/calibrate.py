@@ -92,7 +92,7 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
     paths = pipeline.prepare_fp32(source, work / "fp32", share_weights=bool(options.layered))
     reference = pipeline.reference_graphs(source, paths, options)
     feeds = pipeline.make_feeds(source, split.calibration, options.threads)
-    stats = pipeline.LazyStatistics(reference, feeds, options, progress)
+    stats = pipeline.LazyStatistics(reference, feeds, options, progress, work)
     space = options.search
     if options.layered:
         # Each recipe's blocks are the whole model once more on disk (an 8B w4 set: 5 GB a block

@@ -29,6 +29,7 @@ from llmx.artifact.manifest import Manifest
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import decode_feed
 from llmx.calibration.layered import LayeredGraph
+from llmx.calibration.on_disk import ArraysOnDisk
 from llmx.compare import Agreement, cosine
 from llmx.logits_to_keep import NAME as LOGITS_TO_KEEP
 from llmx.runtime.onnx_backend import session_options
@@ -70,30 +71,6 @@ def logprobs_each(runner, feeds: list[dict]) -> Iterator[np.ndarray]:
         logits = (runner.run(["logits"], feed)[0] for feed in feeds)
     for value in logits:
         yield log_softmax(value[0, :-1])
-
-
-class ArraysOnDisk:
-    """Arrays appended to one file and read back one at a time, by index or in order."""
-
-    def __init__(self, path: Path):
-        self.path, self._layout, self._end = path, [], 0  # layout: (offset, dtype, shape) per array
-        path.write_bytes(b"")
-
-    def append(self, array: np.ndarray) -> None:
-        self._layout.append((self._end, array.dtype, array.shape))
-        with open(self.path, "ab") as f:
-            f.write(np.ascontiguousarray(array).tobytes())
-        self._end += array.nbytes
-
-    def __len__(self) -> int:
-        return len(self._layout)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        offset, dtype, shape = self._layout[i]
-        return np.fromfile(self.path, dtype, int(np.prod(shape)), offset=offset).reshape(shape)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
 
 
 SPEED_CONTEXT = 128  # prompt tokens before the timed step, and tokens of the timed prefill

@@ -47,7 +47,7 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
         if builder is None:
             paths = prepare_fp32(source, work / "fp32", share_weights=bool(options.layered))
             lazy = LazyStatistics(reference_graphs(source, paths, options), make_feeds(source, windows, options.threads),
-                                  options, progress, stats)
+                                  options, progress, work, stats)
             graph = "embed" if source.manifest.kind == "encoder" else "decode"
             builder = WeightOnlyBuilder(paths, graph, lazy, options.scheme, options.symmetric, progress)
         candidate = Candidate(alpha=options.smoothquant, awq=options.awq, fallback=tuple(options.fallback),
@@ -57,7 +57,7 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     paths = prepare_fp32(source, work / "fp32")
     feeds = make_feeds(source, windows, options.threads)
     if stats is None and (options.smoothquant is not None or options.method == "minmax"):
-        stats = statistics(paths, feeds, options, progress)
+        stats = statistics(paths, feeds, options, progress, work)
     scales = None
     if options.smoothquant is not None:
         paths, record["smoothquant"] = smooth_graphs(paths, feeds, options, work / "smooth", progress,
@@ -66,15 +66,19 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
 
 
-def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress) -> ActivationStats:
-    """One fp32 pass over the calibration feeds of the graphs the scheme needs (statistics_graphs)."""
+def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress,
+               scratch: Path) -> ActivationStats:
+    """One fp32 pass over the calibration feeds of the graphs the scheme needs (statistics_graphs);
+    the sampled rows are kept in ``scratch``."""
     graphs = statistics_graphs(paths, options.scheme)
     if options.layered:  # the bar counts stages: each runs over every feed
         total = sum(len(LayeredGraph(path).stages) for path in graphs.values())
     else:
         total = sum(feeds.count(name) for name in graphs)
     with progress("activation statistics", total) as bar:
-        return collect_stats(graphs, feeds, bar.update, options.threads, options.layered)
+        stats = collect_stats(graphs, feeds, bar.update, options.threads, options.layered)
+    stats.spill(scratch / "activation-rows.f32")
+    return stats
 
 
 class LazyStatistics:
@@ -82,12 +86,13 @@ class LazyStatistics:
     w8/w4 once a recipe rescales channels or falls back); ``collected``: them, or None."""
 
     def __init__(self, paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress,
-                 collected: ActivationStats | None = None):
-        self.paths, self.feeds, self.options, self.progress, self.collected = paths, feeds, options, progress, collected
+                 scratch: Path, collected: ActivationStats | None = None):
+        self.paths, self.feeds, self.options, self.progress = paths, feeds, options, progress
+        self.scratch, self.collected = scratch, collected
 
     def __call__(self) -> ActivationStats:
         if self.collected is None:
-            self.collected = statistics(self.paths, self.feeds, self.options, self.progress)
+            self.collected = statistics(self.paths, self.feeds, self.options, self.progress, self.scratch)
         return self.collected
 
 

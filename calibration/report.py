@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from llmx.artifact.handle import Artifact
-from llmx.calibration.judge import ArraysOnDisk, reference_logprobs
+from llmx.calibration.judge import reference_logprobs
+from llmx.calibration.on_disk import ArraysOnDisk
 from llmx.calibration.search import format_search
 from llmx.runtime.engine import make_backend
 from llmx.runtime.evaluate import agree, agreement, window_logprobs

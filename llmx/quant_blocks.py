@@ -137,9 +137,9 @@ class NBitsWeight:
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """[N, blocks, block] integer codes -> MatMulNBits bytes (4 bits: element 2j low nibble, 2j+1 high)."""
-    codes = codes.astype(np.uint8)
     if bits == 8:
-        return np.ascontiguousarray(codes)
+        return np.ascontiguousarray(codes.astype(np.uint8))
+    codes = codes.astype(np.uint8, copy=False)  # the nibbles below are new arrays: no copy of the codes first
     return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
 
 

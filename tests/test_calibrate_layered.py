@@ -209,7 +209,8 @@ def test_scaled_recipes_keep_only_their_blocks(store, text, tmp_path, layered):
     options = CalibrationOptions(scheme="w4", layered=layered, **SMALL)
     paths = pipeline.prepare_fp32(art, tmp_path / "fp32", share_weights=layered)
     feeds = pipeline.make_feeds(art, windows(3, 32), 1)
-    stats = pipeline.LazyStatistics(pipeline.reference_graphs(art, paths, options), feeds, options, silent)
+    stats = pipeline.LazyStatistics(pipeline.reference_graphs(art, paths, options), feeds, options, silent,
+                                    tmp_path)
     builder = WeightOnlyBuilder(paths, "decode", stats, "w4", True)
     before = {p.name: p.stat().st_size for p in paths["decode"].parent.iterdir()}
     source = builder.source(Candidate(awq=True, block_size=32))
@@ -288,6 +289,89 @@ def test_stored_tensors_keep_no_copy_of_their_bytes(tmp_path):
     np.testing.assert_array_equal(np.frombuffer(inline.raw_data, np.float32), np.arange(4))
     offset = int(next(e.value for e in kept[3].external_data if e.key == "offset"))
     np.testing.assert_array_equal(np.fromfile(tmp_path / "weights.bin", np.float32, 8 << 20, offset=offset), array + 3)
+
+
+def _extra_traced(call) -> tuple[object, int]:
+    """(call's result, the most bytes numpy held during it beyond what was held before)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        result = call()
+        return result, tracemalloc.get_traced_memory()[1] - held
+    finally:
+        tracemalloc.stop()
+
+
+def test_importance_rounding_makes_nothing_the_size_of_the_weight_beside_it():
+    """An 8B model's 2.1 GB LM head, rounded whole, took 6 GB more (transposed, padded, the codes
+    in float32): the peak of its w4 calibration. Column chunk by chunk, the extra is the codes while
+    they are packed (0.7x the float32 weight), and the blocks are those of each column alone,
+    rounded on one thread or two."""
+    from llmx.calibration.rounding import quantize_importance
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((1000, 2048)).astype(np.float32)  # K not a multiple of the block
+    importance = rng.random(1000) ** 3
+    serial, extra = _extra_traced(lambda: quantize_importance(w, 32, importance, threads=1))
+    assert extra < w.nbytes  # 3.5x before (a second thread adds its chunk's temporaries, not the weight's)
+    blocks = quantize_importance(w, 32, importance, threads=2)
+    np.testing.assert_array_equal(blocks.packed, serial.packed)
+    np.testing.assert_array_equal(blocks.scales, serial.scales)
+    alone = quantize_importance(w[:, 700:703], 32, importance)  # chunks hold many columns: 700 is inside one
+    np.testing.assert_array_equal(blocks.packed[700:703], alone.packed)
+    np.testing.assert_array_equal(blocks.scales[700:703], alone.scales)
+
+
+def test_awq_fits_on_evenly_spaced_columns_read_weight_by_weight(tmp_path, monkeypatch):
+    """A group wider than the fit reads is fitted on evenly spaced columns of its weights side by
+    side, taken from each weight as it is read: no copy of the whole group beside it (3x its
+    size before; an 8B LM head is 2.1 GB)."""
+    from onnx import TensorProto
+
+    from llmx.calibration import awq
+
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal((64, n)).astype(np.float32) for n in (3000, 1000, 5)]
+    inits, offset = [], 0
+    with open(tmp_path / "weights.bin", "wb") as f:
+        for i, part in enumerate(parts):
+            f.write(part.tobytes())
+            init = TensorProto(name=f"w{i}", data_type=TensorProto.FLOAT, dims=part.shape)
+            init.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", "weights.bin"), ("offset", str(offset)), ("length", str(part.nbytes))):
+                init.external_data.add(key=key, value=value)
+            inits.append(init)
+            offset += part.nbytes
+    group = np.concatenate(parts, axis=1)
+    monkeypatch.setattr(awq, "FIT_WEIGHTS", 64 * 500)
+    fitted, extra = _extra_traced(lambda: awq.fit_columns(inits, tmp_path))
+    np.testing.assert_array_equal(fitted, group[:, np.linspace(0, group.shape[1] - 1, 500).astype(np.int64)])
+    assert extra < 1.5 * group.nbytes  # the widest weight read once, then its columns taken (3x before)
+    monkeypatch.setattr(awq, "FIT_WEIGHTS", 64 * 5000)  # narrower than the cap: all of it, in order
+    np.testing.assert_array_equal(awq.fit_columns(inits, tmp_path), group)
+
+
+def test_the_statistics_keep_their_sampled_rows_on_disk(store, tmp_path):
+    """The rows AWQ fits on (an 8B model's: 0.8 GB) wait on disk beside a candidate's session and
+    read back exactly."""
+    from llmx.calibration import pipeline
+    from llmx.calibration.activations import collect_stats
+    from llmx.calibration.on_disk import ArrayMapOnDisk
+    from llmx.calibration.progress import silent
+
+    art = Artifact.of(store.artifact("llama"))
+    options = CalibrationOptions(scheme="w4", layered=False, **SMALL)
+    paths = pipeline.prepare_fp32(art, tmp_path / "fp32")
+    feeds = pipeline.make_feeds(art, windows(3, 32), 1)
+    spilled = pipeline.statistics(paths, feeds, options, silent, tmp_path)
+    kept = collect_stats({"prefill": paths["prefill"]}, feeds, threads=1)
+    assert isinstance(spilled.rows, ArrayMapOnDisk) and sorted(spilled.rows) == sorted(kept.rows)
+    assert (tmp_path / "activation-rows.f32").stat().st_size == sum(r.nbytes for r in kept.rows.values()) > 0
+    for weight, rows in kept.rows.items():
+        assert spilled.rows[weight].dtype == rows.dtype and np.array_equal(spilled.rows[weight], rows)
 
 
 @pytest.mark.parametrize("layered", [False, True])

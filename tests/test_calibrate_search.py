@@ -587,7 +587,7 @@ def test_a_search_record_from_before_the_timings_still_prints():
 
 
 def test_reference_arrays_on_disk_read_back_exactly(tmp_path):
-    from llmx.calibration.judge import ArraysOnDisk
+    from llmx.calibration.on_disk import ArraysOnDisk
 
     rng = np.random.default_rng(0)
     arrays = [rng.standard_normal((3, 5)).astype(np.float16), rng.standard_normal(7).astype(np.float32),
