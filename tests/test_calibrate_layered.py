@@ -295,14 +295,17 @@ def _extra_traced(call) -> tuple[object, int]:
     """(call's result, the most bytes numpy held during it beyond what was held before)."""
     import tracemalloc
 
-    tracemalloc.start()
+    started = not tracemalloc.is_tracing()  # under `python -X tracemalloc` it stays on after
+    if started:
+        tracemalloc.start()
     try:
         held = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         result = call()
         return result, tracemalloc.get_traced_memory()[1] - held
     finally:
-        tracemalloc.stop()
+        if started:
+            tracemalloc.stop()
 
 
 def test_importance_rounding_makes_nothing_the_size_of_the_weight_beside_it():
