@@ -192,6 +192,22 @@ def test_gunicorn_preload_is_refused_with_a_clear_error(llama_artifact, tmp_path
         stop(proc)
 
 
+def start_serve_on_a_free_port(serve, attempts: int = 3) -> int:
+    """Ray's own processes bind ephemeral ports while it starts, so a port found free beforehand
+    can be taken by the time Serve's proxy binds it (seen once in CI); another port is asked for
+    only on that failure."""
+    for attempt in range(attempts):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except RuntimeError as exc:
+            if "Failed to bind" not in str(exc) or attempt == attempts - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.ray
 def test_ray_serve_deployment_on_a_local_ray_instance(llama_artifact, llama_engine):
     import ray
@@ -199,10 +215,9 @@ def test_ray_serve_deployment_on_a_local_ray_instance(llama_artifact, llama_engi
 
     from llmx.serve.ray_deployment import build_app
 
-    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve_on_a_free_port(serve)
         serve.run(build_app({"artifact": str(llama_artifact), "threads": "1", "max_batch": "4"}), route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         assert requests.get(url + "/ready", timeout=10).json()["status"] == "ready"
