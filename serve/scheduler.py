@@ -35,6 +35,10 @@ from llmx.serve.prefix_cache import PrefixCache
 
 log = logging.getLogger("llmx.serve")
 INITIAL_KV_CAPACITY = 512  # per row; the cache grows by doubling up to the model's context
+# How long an idle server keeps a KV cache that grew before giving it back: traffic with short
+# pauses (a chat of ~400-token prompts crosses 512) would otherwise grow it again on every request,
+# a stall of every stream each time (45-650 ms for 8 rows of a 135M model).
+IDLE_SHRINK_S = 10.0
 IDLE_PREFILL_CHUNKS = 4  # an idle batch's prefill budget, in chunks (see Scheduler._prefill_budget)
 
 
@@ -173,10 +177,12 @@ class Scheduler:
         self.ready.set()
         while True:
             idle = not self._busy()
-            if idle:
-                self._shrink_idle_cache()
-            if not self._drain(block=idle):
+            grown = idle and self.batch.cache.capacity > self._initial_capacity()
+            if not self._drain(block=idle, timeout=IDLE_SHRINK_S if grown else None):
                 break
+            if grown and not self._busy():  # nothing came during the grace period
+                self._shrink_idle_cache()
+                continue
             self.turn += 1
             try:
                 self._publish(self._admit())
@@ -203,20 +209,20 @@ class Scheduler:
             self.batch.on_leave = self._remember_leaving
 
     def _shrink_idle_cache(self) -> None:
-        """An idle batch whose KV cache grew for a long request starts afresh at the initial size: a
-        server between requests holds a small cache, not the one its longest request needed
-        (rows x layers x context, hundreds of MB after one 8k-token request)."""
+        """A batch idle for IDLE_SHRINK_S whose KV cache grew for a long request starts afresh at
+        the initial size: a quiet server holds a small cache, not the one its longest request
+        needed (rows x layers x context, hundreds of MB after one 8k-token request)."""
         if self.batch.cache.capacity > self._initial_capacity():
             self._new_batch()
 
     def _busy(self) -> bool:
         return bool(self.batch.active or self._waiting or self._prefill or self._beams or self._beam_waiting)
 
-    def _drain(self, block: bool) -> bool:
-        """Apply inbox messages; wait for one when idle. False means stop."""
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply inbox messages; wait for one when idle (at most ``timeout`` s). False means stop."""
         while True:
             try:
-                kind, ticket = self._inbox.get(block=block)
+                kind, ticket = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return True
             block = False

@@ -157,6 +157,7 @@ def test_an_idle_batch_prefills_a_burst_at_once_a_busy_one_a_chunk_per_turn(engi
 
 def test_an_idle_server_gives_back_the_cache_a_long_request_grew(engine, llama_engine, monkeypatch):
     monkeypatch.setattr(scheduler_module, "INITIAL_KV_CAPACITY", 8)
+    monkeypatch.setattr(scheduler_module, "IDLE_SHRINK_S", 0.05)
     params = dict(max_new_tokens=24, temperature=0, ignore_eos=True)
     with running(Scheduler(lambda: engine, max_batch=2)) as scheduler:
         assert scheduler.ready.wait(30) and scheduler.batch.cache.capacity == 8
@@ -171,6 +172,26 @@ def test_an_idle_server_gives_back_the_cache_a_long_request_grew(engine, llama_e
         again = scheduler.submit([sequence(engine, LONG, **params)])
         drain(again)
         assert again.seqs[0].output_ids == ticket.seqs[0].output_ids == llama_engine.generate([LONG], SamplingParams(**params))[0].output_ids
+
+
+def test_a_short_pause_keeps_the_grown_cache(engine, monkeypatch):
+    """Requests that each outgrow the initial cache, with pauses shorter than IDLE_SHRINK_S, grow
+    it once: the next one runs on the same buffers instead of stalling to grow them again."""
+    monkeypatch.setattr(scheduler_module, "INITIAL_KV_CAPACITY", 8)
+    monkeypatch.setattr(scheduler_module, "IDLE_SHRINK_S", 60.0)
+    params = dict(max_new_tokens=8, temperature=0, ignore_eos=True)
+    with running(Scheduler(lambda: engine, max_batch=2)) as scheduler:
+        assert scheduler.ready.wait(30)
+        first = scheduler.submit([sequence(engine, LONG, **params)])
+        drain(first)
+        grown = scheduler.batch
+        buffers, version = grown.cache.buffers[0], grown.cache.version
+        assert version > 0
+        time.sleep(0.2)  # idle, well inside the grace period
+        second = scheduler.submit([sequence(engine, LONG, **params)])
+        drain(second)
+        assert scheduler.batch is grown and grown.cache.version == version and grown.cache.buffers[0] is buffers
+        assert second.seqs[0].output_ids == first.seqs[0].output_ids
 
 
 def test_cancel_frees_the_row_at_once(engine):
