@@ -316,6 +316,25 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert lookup(np.array([3, 7, 7, 7]), 4) == [7, 7, 7, 7]
 
 
+def test_ngram_lookup_agrees_with_a_plain_search_on_random_contexts():
+    def search(ids: list[int], k: int, longest: int, shortest: int) -> list[int]:
+        for n in range(min(longest, len(ids) - 1), shortest - 1, -1):
+            for start in range(len(ids) - 1 - n, -1, -1):  # latest first, never the suffix itself
+                if ids[start : start + n] == ids[-n:]:
+                    follow = ids[start + n :]
+                    return (follow * k)[:k]
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        ids = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        longest = int(rng.integers(1, 5))
+        shortest = int(rng.integers(1, longest + 1))
+        k = int(rng.integers(1, 9))
+        got = NgramDrafter(k, max_ngram=longest, min_ngram=shortest).lookup(np.array(ids, dtype=np.int64), k)
+        assert got == search(ids, k, longest, shortest), (ids, k, longest, shortest)
+
+
 def test_cli_reports_acceptance_and_matches_plain_greedy(llama_artifact, capsys):
     from llmx.cli import main
 
