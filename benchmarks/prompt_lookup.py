@@ -1,6 +1,7 @@
 """Prompt lookup on by default: batch-1 decode with ``--speculative auto`` against plain decoding.
 
     python benchmarks/prompt_lookup.py --artifact ART [--artifact ART2 ...] [--rounds 3] [--tokens 128]
+    python benchmarks/prompt_lookup.py --artifact ART --server      # the same, through two `llmx serve`s
 
 Four chat workloads on a real instruct model (its chat template, greedy, one request at a time):
 code editing (a stdlib function to copy with one rename), a retrieval-augmented answer (a stdlib
@@ -10,7 +11,13 @@ workload, plain decoding (``off``) and ``auto`` take turns for --rounds rounds i
 decode tok/s is (tokens - 1) / (time after the first token); the ratio auto / off is taken
 within each round, then the median. The outputs of the two must be token-identical (checked).
 
-Prints a table, writes benchmarks/results/prompt_lookup_<date>.json and a .png (matplotlib).
+``--server`` measures the same through the HTTP path instead: two ``llmx serve`` processes on the
+artifact, one ``--speculative off`` and one on its defaults, each asked in turn for the same
+streamed chat completion (greedy; ``response_format`` json_object for the JSON rewrite); decode
+tok/s is (completion tokens - 1) / (last chunk - first chunk), and the texts must be identical.
+
+Prints a table, writes benchmarks/results/prompt_lookup_<date>.json (``_server`` with
+``--server``) and a .png (matplotlib).
 Run it alone: it times decode steps on a 2-core box.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import sys
 import textwrap
@@ -96,6 +104,61 @@ def bench(artifact: str, rounds: int, tokens: int) -> dict:
     return out
 
 
+def stream_chat(url: str, message: str, constrained: bool, tokens: int) -> dict:
+    import requests
+
+    body = {"messages": [{"role": "user", "content": message}], "max_tokens": tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            **({"response_format": {"type": "json_object"}} if constrained else {})}
+    text, first, last, n = [], None, None, 0
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=(10, 600)) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            for c in chunk["choices"]:
+                if c["delta"].get("content"):
+                    text.append(c["delta"]["content"])
+                    first = now if first is None else first
+                    last = now
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    return {"tokens": n, "text": "".join(text),
+            "decode_tok_s": (n - 1) / (last - first) if n > 1 and last > first else 0.0}
+
+
+def bench_server(artifact: str, rounds: int, tokens: int) -> dict:
+    from load_test import Server  # benchmarks/ is on sys.path when this runs as a script
+
+    servers = {"off": Server(Path(artifact), 8, 64, 2, extra=("--speculative", "off")),
+               "auto": Server(Path(artifact), 8, 64, 2)}
+    out = {}
+    try:
+        for name, (message, constrained) in workloads().items():
+            for server in servers.values():
+                stream_chat(server.url, message, constrained, tokens)  # warm-up
+            runs = {"off": [], "auto": []}
+            for r in range(rounds):
+                for method in (("off", "auto") if r % 2 == 0 else ("auto", "off")):
+                    runs[method].append(stream_chat(servers[method].url, message, constrained, tokens))
+            identical = all(a["text"] == b["text"] for a, b in zip(runs["off"], runs["auto"]))
+            ratio = statistics.median(a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(runs["auto"], runs["off"]))
+            out[name] = {"new_tokens": runs["off"][0]["tokens"], "identical": identical,
+                         "off_tok_s": statistics.median(x["decode_tok_s"] for x in runs["off"]),
+                         "auto_tok_s": statistics.median(x["decode_tok_s"] for x in runs["auto"]), "ratio": ratio,
+                         "ratios": [round(a["decode_tok_s"] / b["decode_tok_s"], 3) for a, b in zip(runs["auto"], runs["off"])]}
+            row = out[name]
+            print(f"  {Path(artifact).name:24s} {name:14s} serve  new {row['new_tokens']:4d}  off {row['off_tok_s']:6.1f}  "
+                  f"auto {row['auto_tok_s']:6.1f} tok/s  x{row['ratio']:.2f}  rounds {row['ratios']}  "
+                  f"{'identical' if identical else 'DIFFERENT'}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -124,12 +187,15 @@ def main() -> None:
     ap.add_argument("--artifact", action="append", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--server", action="store_true", help="through two `llmx serve` processes (off / defaults)")
     args = ap.parse_args()
-    results = {Path(a).name: bench(a, args.rounds, args.tokens) for a in args.artifact}
-    stamp = datetime.now().strftime("%Y-%m-%d_%H%M")
+    run = bench_server if args.server else bench
+    results = {Path(a).name: run(a, args.rounds, args.tokens) for a in args.artifact}
+    stamp = datetime.now().strftime("%Y-%m-%d_%H%M") + ("_server" if args.server else "")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"prompt_lookup_{stamp}.json"
-    out.write_text(json.dumps({"rounds": args.rounds, "tokens": args.tokens, "results": results}, indent=1))
+    out.write_text(json.dumps({"rounds": args.rounds, "tokens": args.tokens, "server": args.server,
+                               "load_avg_1m": round(os.getloadavg()[0], 2), "results": results}, indent=1))
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out}", file=sys.stderr)
 

@@ -132,10 +132,13 @@ class AutoDrafter(NgramDrafter):
 
     def width_invariant(self) -> bool:
         """Whether a call of several tokens gives the first token the logits a one-token call
-        gives (within 1e-4 of their range). Quantized kernels may not: ONNX Runtime's
-        MatMulNBits rounds a several-row product differently (1 % of the logit range measured on
-        a 135M w4 graph), so a near tie could go the other way and output would differ from
-        plain decoding. The default must not change output, so there it does not draft."""
+        gives (within 1e-4 of their range). Quantized graphs may not: ONNX Runtime's attention
+        kernel differs in the last bits between one and several query tokens (3e-8 at the first
+        layer of a 135M model), which fp32 carries to the logits as 3e-5 of their range, but
+        MatMulNBits rounds its activations to int8 and a last-bit change flips a rounding, so it
+        grows to 2 % of the range on the 135M w4 graph; a near tie could go the other way and
+        output would differ from plain decoding. The default must not change output, so there it
+        does not draft."""
         if self.identical is None:
             known = _WIDTH_INVARIANT.get(self._backend)
             room = self._backend.max_seq_len - 2
