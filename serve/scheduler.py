@@ -175,14 +175,18 @@ class Scheduler:
         finally:
             self.settled.set()
         self.ready.set()
+        idle_since = time.monotonic()
         while True:
-            idle = not self._busy()
-            grown = idle and self.batch.cache.capacity > self._initial_capacity()
-            if not self._drain(block=idle, timeout=IDLE_SHRINK_S if grown else None):
+            idle, wait = not self._busy(), None
+            if not idle:
+                idle_since = time.monotonic()
+            elif self.batch.cache.capacity > self._initial_capacity():
+                wait = IDLE_SHRINK_S - (time.monotonic() - idle_since)
+                if wait <= 0:
+                    self._shrink_idle_cache()
+                    continue
+            if not self._drain(block=idle, timeout=wait):
                 break
-            if grown and not self._busy():  # nothing came during the grace period
-                self._shrink_idle_cache()
-                continue
             self.turn += 1
             try:
                 self._publish(self._admit())
