@@ -66,15 +66,15 @@ class NgramDrafter(FixedDrafter):
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
         return [Draft(self.lookup(np.asarray(context_ids(s), dtype=np.int64), k) if k > 0 else []) for s, k in zip(seqs, limits)]
 
-    def lookup(self, ids: np.ndarray, k: int) -> list[int]:
+    def lookup(self, ids: np.ndarray, k: int, shortest: int | None = None) -> list[int]:
         """The ``k`` tokens after the latest earlier match of the longest matching suffix.
 
         A match ``p`` tokens back says the text repeats with period ``p``; when the tokens after
         the match run out (they reach the end of the context), the draft keeps repeating them,
         so a loop or a repeated line is drafted ``k`` tokens at a time, not one."""
         last = len(ids) - 1
-        longest = min(self.max_ngram, last)
-        if longest < self.min_ngram:
+        longest, shortest = min(self.max_ngram, last), shortest or self.min_ngram
+        if longest < shortest:
             return []
         # ends[n - 1][j]: ids[j - n + 1 .. j] equals the suffix's last n tokens (j < last, so
         # never the suffix itself). Each length extends the shorter one by one comparison: this
@@ -82,7 +82,7 @@ class NgramDrafter(FixedDrafter):
         ends = [ids[:last] == ids[last]]
         for n in range(2, longest + 1):
             ends.append(ends[-1][1:] & (ids[: last - n + 1] == ids[last - n + 1]))
-        for n in range(longest, self.min_ngram - 1, -1):
+        for n in range(longest, shortest - 1, -1):
             hits = np.flatnonzero(ends[n - 1])
             if len(hits):
                 follow = ids[int(hits[-1]) + n :]  # starts after the match's end (mask index + n - 1)
@@ -127,6 +127,7 @@ class AutoDrafter(NgramDrafter):
         self.seconds: dict[int, float] = {}  # one-row step time per width, a moving average
         self._warmed: set[int] = set()  # widths run once (their first run is not timed)
         self.acceptance: dict[int, float] = {}  # per sequence id
+        self.copying: set[int] = set()  # sequence ids that have kept a drafted token
         self._backend = backend
         self.identical: bool | None = None if backend is not None else True  # probed on first use
 
@@ -164,6 +165,8 @@ class AutoDrafter(NgramDrafter):
         self.seconds[width] = seconds if old is None else old + self.LEARN * (seconds - old)
 
     def verified(self, seq: Sequence, drafted: int, kept: int) -> None:
+        if kept:
+            self.copying.add(seq.id)
         a = self.acceptance.get(seq.id, self.PRIOR)
         for outcome in [1.0] * kept + ([0.0] if kept < drafted else []):
             a += self.LEARN * (outcome - a)
@@ -208,12 +211,15 @@ class AutoDrafter(NgramDrafter):
         if len(seqs) > self.MAX_ROWS or not self.width_invariant():
             return [Draft([]) for _ in seqs]
         self.acceptance = {s.id: self.acceptance.get(s.id, self.PRIOR) for s in seqs}  # forget rows that left
+        self.copying &= self.acceptance.keys()
         drafts = []
         for seq, limit in zip(seqs, limits):
             a = self.acceptance[seq.id]
             # Most plain-chat steps have no match: look first, size the draft only for a match
-            # (a lookup of `limit` tokens cut to k is the lookup of k tokens).
-            tokens = self.lookup(np.asarray(context_ids(seq), dtype=np.int64), limit) if limit else []
+            # (a lookup of `limit` tokens cut to k is the lookup of k tokens). Two-token matches
+            # are common in prose by chance: they count once the row has kept a draft.
+            shortest = 2 if seq.id in self.copying else 3
+            tokens = self.lookup(np.asarray(context_ids(seq), dtype=np.int64), limit, shortest) if limit else []
             tokens = tokens[: self.best_length(a, limit)] if tokens else []
             if not tokens:
                 self.acceptance[seq.id] = a + self.DRIFT * (self.PRIOR - a)

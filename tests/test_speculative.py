@@ -157,9 +157,25 @@ def test_auto_stops_on_rejections_comes_back_and_never_drafts_for_a_crowd(target
     assert all(not d.tokens for d in auto.propose([seq, other], [8, 8]))
 
 
+def test_auto_takes_two_token_matches_only_from_a_row_that_has_kept_a_draft(target):
+    """In prose a 2-token match is mostly chance (plain chat's drafts were all rejected): a row
+    drafts from a 3-token match until one of its drafts is kept, then from 2 as well."""
+    auto = AutoDrafter(8)
+    seq = Sequence([11, 12, 13, 14, 15, 19, 14, 15], SamplingParams(max_new_tokens=50), target.tokenizer, 256)
+    assert NgramDrafter(4, max_ngram=3, min_ngram=2).propose([seq], [4])[0].tokens == [19, 14, 15, 19]
+    assert not auto.propose([seq], [8])[0].tokens  # (14, 15) again, but (19, 14, 15) is new
+    auto.verified(seq, 2, 0)
+    assert not auto.propose([seq], [8])[0].tokens  # rejected drafts do not count
+    auto.verified(seq, 3, 3)
+    tokens = auto.propose([seq], [8])[0].tokens
+    assert tokens and tokens == [19, 14, 15, 19][: len(tokens)]  # from the 2-token match
+    copying = Sequence([11, 12, 13, 14, 12, 13, 14], SamplingParams(max_new_tokens=50), target.tokenizer, 256)
+    assert AutoDrafter(8).propose([copying], [8])[0].tokens[:2] == [12, 13]  # a 3-token match drafts at once
+
+
 class WidthVariantBackend:
     """The target's backend, except that a call of several tokens shifts the logits slightly (as
-    ONNX Runtime's MatMulNBits rounds a several-row product: 1 % of the range on a 135M w4 graph)."""
+    quantized graphs do: 1-2 % of the range on a 135M w4 graph, runtime/drafters.py)."""
 
     def __init__(self, backend):
         self._b = backend
