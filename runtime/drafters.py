@@ -123,7 +123,8 @@ class AutoDrafter(NgramDrafter):
     MAX_ROWS = 1
 
     def __init__(self, num_tokens: int = 8, backend=None):
-        super().__init__(num_tokens, max_ngram=3, min_ngram=2)  # a 1-token match is mostly chance in prose
+        # A 1-token match is mostly chance in prose, a 2-token one too until the row copies (propose).
+        super().__init__(num_tokens, max_ngram=3, min_ngram=2)
         self.seconds: dict[int, float] = {}  # one-row step time per width, a moving average
         self._warmed: set[int] = set()  # widths run once (their first run is not timed)
         self.acceptance: dict[int, float] = {}  # per sequence id
