@@ -2,6 +2,7 @@
 
     python benchmarks/load_test.py                      # small random Llama (32k vocab), 500 requests x 64 clients
     python benchmarks/load_test.py --model tiny         # the test suite's tiny Llama
+    python benchmarks/load_test.py --model demo         # the built-in demo model (4.9M, real weights)
     python benchmarks/load_test.py --requests 100 --json out.json --plot out.png
 
 Everything runs on loopback: the script exports a random-weight Llama (tests/checkpoints.py
@@ -44,6 +45,7 @@ MODELS = {
     "tiny": ({}, None),
     "small": (dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=1024), 32000),
+    "demo": None,  # llmx/demo_model as it ships: a small code model with real weights
 }
 PROMPTS = ["def fibonacci(n):", "import json\n\n", "class Parser:\n    def __init__(self", "# Compute the mean of",
            "for i in range(10):", "The quick brown fox", "SELECT name FROM users WHERE", "while True:\n"]
@@ -96,6 +98,9 @@ def build_artifact(model: str, workdir: Path) -> Path:
 
     from llmx.export import export_checkpoint
 
+    if MODELS[model] is None:
+        export_checkpoint(ROOT / "llmx" / "demo_model", art)
+        return art
     overrides, vocab = MODELS[model]
     ckpt = workdir / f"ckpt-{model}"
     if vocab:

@@ -82,13 +82,20 @@ class _Owner:  # where a sequence's updates go
     index: int
     tokens: int = 0
     last: float = field(default_factory=time.perf_counter)
+    held: str = ""  # text not handed over yet (Scheduler's stream_interval_s)
 
 
 class Scheduler:
     def __init__(self, load_engine: Callable[[], object], max_batch: int = 8, max_queue: int = 64,
                  prefill_chunk: int = 256, metrics: Metrics | None = None, prefix_cache_bytes: int = 0,
-                 load_drafter: Callable[[object], object] | None = None):
+                 load_drafter: Callable[[object], object] | None = None, stream_interval_s: float = 0.0):
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        # A stream's new text goes to its HTTP thread at most this often (its first token and its
+        # end at once). A small model steps in a fraction of a millisecond, and one hand-off per
+        # token per stream wakes every stream's thread every step to contend for the GIL and the
+        # cores with the graph; a step of the models people serve takes longer than the server's
+        # 10 ms, so their streams still get every token as it comes.
+        self.stream_interval_s = stream_interval_s
         self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._load_drafter = load_drafter  # engine -> drafter, run in this thread after loading
         self.drafter = None
@@ -359,6 +366,10 @@ class Scheduler:
             own = self._owners.get(seq.id)
             if own is None:
                 continue
+            if own.tokens and not seq.finished and now - own.last < self.stream_interval_s:
+                own.held += text
+                continue
+            text, own.held = own.held + text, ""
             if own.tokens == 0:
                 self.metrics.ttft.observe(now - own.ticket.arrival)
             else:

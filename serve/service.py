@@ -43,7 +43,7 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
                   threads: int | None = None, spin: bool | None = None, low_memory: bool = False,
                   prefix_cache_mb: int | None = None, speculative: str = "auto",
                   draft: str | None = None, num_draft_tokens: int | None = None, tool_call_format: str | None = None,
-                  reasoning_format: str = "auto") -> "Service":
+                  reasoning_format: str = "auto", stream_interval_ms: float = 10.0) -> "Service":
     """A Service with its scheduler thread started; the thread loads the engine unless one is given.
 
     ``api_key`` defaults to the LLMX_API_KEY environment variable; without either, no key is asked.
@@ -59,7 +59,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
     ``num_draft_tokens`` per step (auto's cap; docs/decoding.md). ``tool_call_format`` names how the model writes
     tool calls (serve/tool_calls.py FORMATS) where its chat template does not tell.
     ``reasoning_format`` "auto" returns a thinking template's reasoning as ``reasoning_content``
-    (runtime/reasoning.py); "none" leaves it in ``content``.
+    (runtime/reasoning.py); "none" leaves it in ``content``. ``stream_interval_ms``: a stream's
+    new text goes out at most this often (first token and end at once; 0: every token).
     """
     if (artifact is None) == (engine is None):
         raise InputError("the server needs an artifact directory or a loaded engine (one of them)")
@@ -69,6 +70,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
     if tool_call_format is not None and tool_call_format not in FORMATS:
         raise InputError(f"unknown tool-call format {tool_call_format!r}: one of {', '.join(FORMATS)}")
+    if isinstance(stream_interval_ms, bool) or not isinstance(stream_interval_ms, (int, float)) or not stream_interval_ms >= 0:
+        raise InputError(f"stream_interval_ms must be a number >= 0, got {stream_interval_ms!r}")
     if reasoning_format not in REASONING_CHOICES:
         raise InputError(f"unknown reasoning format {reasoning_format!r}: one of {', '.join(REASONING_CHOICES)}")
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -94,7 +97,8 @@ def build_service(artifact: str | Path | Artifact | None = None, *, engine=None,
         prefix_bytes = default_prefix_bytes(artifact.manifest, max_batch)
     else:
         prefix_bytes = prefix_cache_mb << 20
-    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_bytes, load_drafter).start()
+    scheduler = Scheduler(load, max_batch, max_queue, prefill_chunk, Metrics(), prefix_bytes, load_drafter,
+                          stream_interval_ms / 1000).start()
     service = Service(scheduler, name, key, keepalive_s, max_body_bytes)
     service.tool_format = FORMATS.get(tool_call_format)
     service.reasoning_format = reasoning_format

@@ -194,6 +194,29 @@ def test_a_short_pause_keeps_the_grown_cache(engine, monkeypatch):
         assert second.seqs[0].output_ids == first.seqs[0].output_ids
 
 
+@pytest.mark.parametrize("interval", [0.0, 60.0])
+def test_stream_interval_groups_a_streams_text_without_losing_any(engine, interval):
+    """Every token is its own update at interval 0; with a long interval the first token still
+    comes at once, and the rest arrives with the end: the same text, token count and logprobs."""
+    params = dict(max_new_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    with running(Scheduler(lambda: engine, max_batch=2, stream_interval_s=interval)) as scheduler:
+        assert scheduler.ready.wait(30)
+        updates = drain(scheduler.submit([sequence(engine, "def", **params)]))
+    plain = engine.generate(["def"], SamplingParams(**params))[0]
+    assert "".join(u.text for u in updates) == plain.text
+    assert [t.token_id for u in updates for t in u.logprobs] == plain.output_ids
+    assert updates[-1].tokens == 12 and updates[-1].finish_reason == "length"
+    assert len(updates) == (12 if interval == 0 else 2) and updates[0].tokens == 1
+
+
+def test_the_server_refuses_a_negative_stream_interval(llama_artifact):
+    from llmx.errors import InputError
+    from llmx.serve.service import build_service
+
+    with pytest.raises(InputError, match="stream_interval_ms"):
+        build_service(llama_artifact, stream_interval_ms=-1)
+
+
 def test_cancel_frees_the_row_at_once(engine):
     with running(Scheduler(lambda: engine, max_batch=1, max_queue=4)) as scheduler:
         long = scheduler.submit([sequence(engine, "def", max_new_tokens=200, temperature=0, ignore_eos=True)])

@@ -48,6 +48,9 @@ def register(cli: click.Group) -> None:
     @click.option("--tool-call-format", type=click.Choice(["hermes", "llama3_json", "mistral", "generic"]), default=None,
                   help="How the model writes tool calls (default: read from its chat template; generic, "
                        "tools described in the system message, where the template has no tool format).")
+    @click.option("--stream-interval-ms", type=click.FloatRange(min=0), default=10.0, show_default=True,
+                  help="A stream's new text is sent at most this often (its first token and its end at once); "
+                       "0 sends every token as it comes. Matters only for models stepping faster than it.")
     @click.option("--reasoning-format", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
                   help="auto: a thinking template's reasoning (<think>...</think> and the like) comes back as "
                        "reasoning_content, apart from content; none: left in content.")
@@ -55,8 +58,8 @@ def register(cli: click.Group) -> None:
     @backend_options
     @click.pass_context
     def serve(ctx, artifact, host, port, max_batch, max_queue, prefill_chunk, api_key, model_name, max_body_kb, quiet, spin,
-              prefix_cache_mb, drain_timeout, http_timeout, max_connections, tool_call_format, reasoning_format, speculative, draft,
-              num_draft_tokens, backend, threads, low_memory):
+              prefix_cache_mb, drain_timeout, http_timeout, max_connections, tool_call_format, stream_interval_ms,
+              reasoning_format, speculative, draft, num_draft_tokens, backend, threads, low_memory):
         """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
         
@@ -81,7 +84,7 @@ def register(cli: click.Group) -> None:
                              backend=backend, threads=threads, spin=spin, low_memory=low_memory,
                              prefix_cache_mb=prefix_cache_mb, speculative=speculative, draft=draft,
                              num_draft_tokens=num_draft_tokens, tool_call_format=tool_call_format,
-                             reasoning_format=reasoning_format)
+                             reasoning_format=reasoning_format, stream_interval_ms=stream_interval_ms)
             service = app.extensions["llmx"]
             service.wait_loaded()  # a model that cannot load is one error line here, not a 503 later
         except BaseException:
