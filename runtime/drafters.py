@@ -219,7 +219,7 @@ class AutoDrafter(NgramDrafter):
             # Most plain-chat steps have no match: look first, size the draft only for a match
             # (a lookup of `limit` tokens cut to k is the lookup of k tokens). Two-token matches
             # are common in prose by chance: they count once the row has kept a draft.
-            shortest = 2 if seq.id in self.copying else 3
+            shortest = self.min_ngram if seq.id in self.copying else self.max_ngram
             tokens = self.lookup(np.asarray(context_ids(seq), dtype=np.int64), limit, shortest) if limit else []
             tokens = tokens[: self.best_length(a, limit)] if tokens else []
             if not tokens:

@@ -187,7 +187,7 @@ class Scheduler:
             idle, wait = not self._busy(), None
             if not idle:
                 idle_since = time.monotonic()
-            elif self.batch.cache.capacity > self._initial_capacity():
+            elif self._cache_grown():
                 wait = IDLE_SHRINK_S - (time.monotonic() - idle_since)
                 if wait <= 0:
                     self._shrink_idle_cache()
@@ -223,8 +223,10 @@ class Scheduler:
         """A batch idle for IDLE_SHRINK_S whose KV cache grew for a long request starts afresh at
         the initial size: a quiet server holds a small cache, not the one its longest request
         needed (rows x layers x context, hundreds of MB after one 8k-token request)."""
-        if self.batch.cache.capacity > self._initial_capacity():
-            self._new_batch()
+        self._new_batch()
+
+    def _cache_grown(self) -> bool:
+        return self.batch.cache.capacity > self._initial_capacity()
 
     def _busy(self) -> bool:
         return bool(self.batch.active or self._waiting or self._prefill or self._beams or self._beam_waiting)
@@ -233,7 +235,7 @@ class Scheduler:
         """Apply inbox messages; wait for one when idle (at most ``timeout`` s). False means stop."""
         while True:
             try:
-                kind, ticket = self._inbox.get(block=block, timeout=timeout if block else None)
+                kind, ticket = self._inbox.get(block=block, timeout=timeout)  # timeout: only while blocking
             except queue.Empty:
                 return True
             block = False
