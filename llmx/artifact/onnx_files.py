@@ -72,9 +72,13 @@ class WeightsFile:
     def __enter__(self) -> "WeightsFile":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        # Ended by an exception the file is abandoned, and the queue is not touched: a signal's
+        # exception (Ctrl-C, Terminated) can land in Queue.put between taking the queue's lock and
+        # the `with` that releases it, so a put or join here could wait forever. The writer is a
+        # daemon; a write after the close below fails into its unread _error.
         try:
-            if self._queue is not None:
+            if self._queue is not None and exc_type is None:
                 self._queue.put(None)
                 self._writer.join()
                 self._raise_writer_error()
