@@ -28,9 +28,9 @@ import numpy as np
 from llmx.artifact.handle import Artifact
 from llmx.errors import InputError
 from llmx.runtime.engine import Engine
-from llmx.runtime.sampling import softmax, warp
+from llmx.runtime.sampling import draw, softmax, warp
 from llmx.runtime.sequence import Sequence
-from llmx.runtime.speculative import Draft, SpecStats, check_num_draft_tokens, draw, ragged_decode
+from llmx.runtime.speculative import Draft, SpecStats, check_num_draft_tokens, ragged_decode
 
 
 log = logging.getLogger(__name__)

@@ -34,6 +34,7 @@ import numpy as np
 
 from llmx.errors import InputError
 from llmx.runtime.batch import Batch, Event, refuse_long_rope_crossing
+from llmx.runtime.sampling import draw
 from llmx.runtime.sequence import Sequence
 
 MAX_DRAFT_TOKENS = 32
@@ -66,12 +67,6 @@ def check_num_draft_tokens(k: int) -> int:
     if not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
         raise InputError(f"the number of draft tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
     return k
-
-
-def draw(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF draw from unnormalized ``probs``, as ``sampling.sample`` draws (one uniform)."""
-    index = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
-    return min(index, probs.size - 1)
 
 
 def ragged_decode(backend, cache, tokens: list[list[int]]) -> list[np.ndarray]:

@@ -76,6 +76,71 @@ def test_sample_frequencies_follow_the_distribution():
     np.testing.assert_allclose(draws, probs, atol=0.03)
 
 
+class FixedUniform:
+    """An rng whose draws are given: the uniform that decides an inverse-CDF draw."""
+
+    def __init__(self, u: float):
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def assert_drawn_where_the_uniform_falls(weights, u, index):
+    """``index`` is the token whose slice of the running sum (float64) holds u * total, up to
+    float32 rounding at the slice's ends; it has weight."""
+    running = np.cumsum(weights, dtype=np.float64)
+    target, slack = u * running[-1], 1e-5 * running[-1]
+    assert weights[index] > 0
+    assert (running[index - 1] if index else 0.0) - slack <= target <= running[index] + slack
+
+
+@pytest.mark.parametrize("size", [7, 1000, 49152, 50_000])  # one cumsum; block sums, whole and ragged last block
+def test_draw_is_the_inverse_cdf_in_id_order(size):
+    rng = np.random.default_rng(size)
+    weights = rng.exponential(size=size).astype(np.float32) ** 4
+    weights[rng.random(size) < 0.3] = 0  # filtered tokens
+    for u in np.r_[rng.random(300), 0.0, np.nextafter(1.0, 0.0)]:
+        assert_drawn_where_the_uniform_falls(weights, u, S.draw(weights, FixedUniform(u)))
+
+
+def test_draw_never_lands_on_a_filtered_tail():
+    weights = np.zeros(5000, np.float32)
+    weights[[3, 700, 1800]] = [1.0, 2.0, 1e-3]  # the last blocks all zero, as a grammar's mask leaves them
+    for u in (1 - 1e-12, np.nextafter(1.0, 0.0)):  # the largest uniform numpy draws: u * total rounds to the total
+        assert S.draw(weights, FixedUniform(u)) == 1800
+    assert S.draw(weights, FixedUniform(0.0)) == 3
+
+
+@pytest.mark.parametrize("size", [10, 5000])
+def test_draw_refuses_weights_with_nothing_to_draw(size):
+    for weights in (np.zeros(size, np.float32), np.full(size, np.nan, np.float32)):
+        with pytest.raises(ValueError, match="cannot sample"):
+            S.draw(weights, FixedUniform(0.5))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=50),
+                                    dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=1.2, min_p=0.05),
+                                    dict(temperature=1.0, top_p=0.95, min_p=0.02, typical_p=0.9)])
+def test_sample_draws_from_warps_distribution(params):
+    # sample runs each filter on the survivors of the one before; warp masks the whole
+    # vocabulary: for the same uniform both are the same token.
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal(8000) * 2.5).astype(np.float32)
+    logits[rng.random(8000) < 0.1] = -np.inf  # banned by a grammar
+    p = SamplingParams(**params)
+    warped = S.softmax(S.warp(logits, p))
+    assert 0 < np.isfinite(S.warp(logits, p)).sum()
+    for u in rng.random(200):
+        assert_drawn_where_the_uniform_falls(warped, u, S.sample(logits, p, FixedUniform(u)))
+
+
+def test_top_p_keeps_the_lowest_ids_of_equal_probabilities_at_the_edge():
+    logits = np.log(np.array([0.1, 0.2, 0.4, 0.2, 0.1], np.float32))
+    assert np.isfinite(S.top_p_mask(logits, 0.5)).tolist() == [False, True, True, False, False]
+    assert S.top_p_keep(logits, 0.5).tolist() == [1, 2]
+
+
 def test_greedy_is_argmax():
     logits = np.array([0.1, 5.0, 4.9], np.float32)
     assert S.sample(logits, SamplingParams(temperature=0), np.random.default_rng()) == 1
