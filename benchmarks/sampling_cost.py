@@ -60,7 +60,7 @@ def per_row_us(logits: np.ndarray) -> dict[str, float]:
     result = {}
     for name, kw in SETTINGS.items():
         params = SamplingParams(**kw)
-        seconds = min(timeit.repeat(lambda: [sample(row.copy(), params, rng) for row in logits], number=1, repeat=5))
+        seconds = min(timeit.repeat(lambda p=params: [sample(row.copy(), p, rng) for row in logits], number=1, repeat=5))
         result[name] = seconds / len(logits) * 1e6
     return result
 
@@ -99,7 +99,7 @@ def main() -> None:
     report = {"date": datetime.now().isoformat(timespec="minutes"), "logits": source, "vocab": logits.shape[1],
               "per_row_us": per_row_us(logits)}
     print(f"sample() per row, {logits.shape[1]}-token vocabulary, {source} logits ({len(logits)} rows)")
-    print(f"| setting | us per row |\n|---|---:|")
+    print("| setting | us per row |\n|---|---:|")
     for name, us in report["per_row_us"].items():
         print(f"| {name} | {us:.0f} |")
     if engine is not None:

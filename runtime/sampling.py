@@ -117,8 +117,9 @@ def top_p_keep(logits: np.ndarray, p: float) -> np.ndarray | None:
             cumulative = np.cumsum(ranked / total)
     n = min(int(np.searchsorted(cumulative, p)) + 1, ranked.size)
     edge = ranked[n - 1]
-    above = np.flatnonzero(weights > edge)
-    return np.union1d(above, np.flatnonzero(weights == edge)[: n - above.size])
+    kept = weights > edge
+    kept[np.flatnonzero(weights == edge)[: n - np.count_nonzero(kept)]] = True
+    return np.flatnonzero(kept)
 
 
 def min_p_keep(logits: np.ndarray, min_p: float) -> np.ndarray | None:
