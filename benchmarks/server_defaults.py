@@ -14,7 +14,9 @@ llmx gets ``--max-batch C`` and llama-server ``-np C`` (C = the clients), and bo
 
 C clients each stream one chat completion (the model's own template, a short distinct question
 per client, ``--tokens`` new tokens, greedy, EOS ignored so every stream has the same length);
-aggregate tok/s = C x tokens / (last stream done - first request sent). Rounds are interleaved:
+aggregate tok/s = C x tokens / (last stream done - first request sent). ``--sample T,P`` asks
+for temperature T and top_p P instead of greedy (what chat clients send; each server applies its
+own defaults for the rest: llama-server adds its top_k 40 and min_p 0.05, llmx nothing). Rounds are interleaved:
 at each level the two servers take turns (the order alternates every round), so a shared host's
 background load falls on both alike; the ratio llmx / llama-server is taken per round, then the
 median. Writes benchmarks/results/server_defaults_<date>.{json,md,png}.
@@ -67,10 +69,14 @@ def llama_server(gguf: Path, slots: int, threads: int, extra: list[str]) -> Serv
     return Server(f"llama-server {gguf.name} -np {slots}", cmd, port, "/health")
 
 
+# What each request asks for beside its question: greedy, or --sample's temperature and top_p.
+SAMPLING = {"temperature": 0}
+
+
 def stream_chat(url: str, question: str, tokens: int, start: threading.Barrier, out: dict) -> None:
     import requests
 
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens, "temperature": 0,
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": tokens, **SAMPLING,
             "ignore_eos": True, "stream": True}
     start.wait()
     out["sent"] = time.perf_counter()
@@ -194,8 +200,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llmx-args", default="", help="extra `llmx serve` flags (a tuned run)")
     ap.add_argument("--llama-args", default="", help="extra llama-server flags (a tuned run)")
+    ap.add_argument("--sample", metavar="T,P", help="sampled requests: temperature T, top_p P (default greedy)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
+    if args.sample:
+        temperature, top_p = (float(v) for v in args.sample.split(","))
+        SAMPLING.update(temperature=temperature, top_p=top_p)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.llmx_args, args.llama_args = args.llmx_args.split(), args.llama_args.split()
@@ -218,7 +228,7 @@ def main() -> None:
         (args.out / "server_defaults_partial.json").write_text(json.dumps(data, indent=1))  # a crash keeps these
     table, ratios = summarize(data)
     meta = {"concurrency": args.concurrency, "tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
-            "llmx_args": args.llmx_args, "llama_args": args.llama_args, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "llmx_args": args.llmx_args, "llama_args": args.llama_args, "sampling": SAMPLING, "date": time.strftime("%Y-%m-%d %H:%M"),
             "cpus": os.cpu_count(), "load_avg_1m_at_start": load_start,
             "load_avg_1m_at_end": round(os.getloadavg()[0], 2), "wall_s": round(time.time() - started),
             "command": " ".join(["python", *sys.argv])}
@@ -227,7 +237,8 @@ def main() -> None:
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "ratios": ratios, "pairs": data}, indent=1))
     (args.out / "server_defaults_partial.json").unlink(missing_ok=True)
     tuned = f"; llmx {' '.join(args.llmx_args)}" * bool(args.llmx_args) + f"; llama {' '.join(args.llama_args)}" * bool(args.llama_args)
-    header = (f"{args.threads} threads each, {args.rounds} interleaved rounds, {args.tokens} tokens per stream, "
+    asked = "greedy" if not SAMPLING["temperature"] else f"temperature {SAMPLING['temperature']}, top_p {SAMPLING['top_p']}"
+    header = (f"{args.threads} threads each, {args.rounds} interleaved rounds, {args.tokens} tokens per stream, {asked}, "
               f"defaults{tuned}; load average {load_start} -> {meta['load_avg_1m_at_end']} on {os.cpu_count()} CPUs; "
               f"{meta['wall_s']} s\n\n")
     stem.with_suffix(".md").write_text(header + table)
