@@ -151,6 +151,27 @@ def test_sample_draws_from_warps_distribution(params):
         assert_drawn_where_the_uniform_falls(warped, u, S.sample(logits, p, FixedUniform(u)))
 
 
+def test_top_p_keeps_what_a_full_stable_sort_keeps():
+    # top_p_keep sorts only the tokens above a floor when they hold p, and sums as far as needed;
+    # the reference sorts every id by probability (ties: lowest id first) and sums them all.
+    def reference(logits, p):
+        w = np.exp(logits - logits.max())
+        order = np.argsort(-w, kind="stable")
+        n = min(int(np.searchsorted(np.cumsum(w[order] / w.sum()), p)) + 1, w.size)
+        return np.sort(order[:n])
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        size = int(rng.choice([50, 700, 5000]))
+        logits = (rng.standard_normal(size) * rng.uniform(0.3, 8)).astype(np.float32)
+        if rng.random() < 0.3:
+            logits[rng.random(size) < 0.2] = -np.inf  # a grammar's mask
+        if rng.random() < 0.3:
+            logits = np.round(logits)  # ties at the edge
+        p = float(rng.choice([0.05, 0.5, 0.9, 0.95, 0.99, 0.999]))
+        np.testing.assert_array_equal(S.top_p_keep(logits, p), reference(logits, p))
+
+
 def test_top_p_keeps_the_lowest_ids_of_equal_probabilities_at_the_edge():
     logits = np.log(np.array([0.1, 0.2, 0.4, 0.2, 0.1], np.float32))
     assert np.isfinite(S.top_p_mask(logits, 0.5)).tolist() == [False, True, True, False, False]
