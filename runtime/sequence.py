@@ -143,8 +143,11 @@ class Sequence:
 
     def _penalized(self, logits: np.ndarray) -> np.ndarray:
         p = self.params
+        penalties = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        if not penalties and self._bias is None and self.constraint is None and logits.dtype == np.float32:
+            return logits  # nothing to change: sample and warp only read it (a copy per row per step is not free)
         work = logits.astype(np.float32, copy=True)
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        if penalties:
             work = apply_penalties(work, p, self._context, self.counts)
         if self._bias is not None:
             ids, bias = self._bias

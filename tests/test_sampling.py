@@ -223,6 +223,24 @@ def test_logprobs_are_log_probabilities_of_the_chosen_tokens(llama_engine):
         assert np.exp(values).sum() <= 1 + 1e-5
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.8, top_p=0.9), dict(temperature=0, logprobs=3),
+                                    dict(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5),
+                                    dict(temperature=0.7, logit_bias={5: -100, 9: 3.0})])
+def test_choosing_leaves_the_batchs_logits_untouched(llama_engine, params):
+    # A row's logits are a view of the batch's output buffer: a plain row is read in place, a
+    # penalized one copied first.
+    from llmx.runtime.sequence import Sequence
+
+    seq = Sequence(llama_engine.encode("def f(x):"), SamplingParams(**params), llama_engine.tokenizer, 64)
+    seq.output_ids, seq.counts = [5, 7], {5: 1, 7: 1}
+    logits = np.random.default_rng(0).standard_normal((2, 320)).astype(np.float32)
+    before = logits.copy()
+    seq.choose(logits[1])
+    if not seq.params.greedy:  # speculative sampling's full distribution (greedy rows never ask)
+        seq.probs(logits[1])
+    np.testing.assert_array_equal(logits, before)
+
+
 def test_repetition_penalty_changes_greedy_output(llama_engine):
     base = llama_engine.generate(["x"], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))[0]
     pen = llama_engine.generate(["x"], SamplingParams(max_new_tokens=30, temperature=0, repetition_penalty=5.0, ignore_eos=True))[0]
