@@ -81,7 +81,8 @@ def _normalized(z: np.ndarray) -> np.ndarray:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Over the last axis; sampling, beam search and the scorers (runtime/evaluate.py) share it."""
     shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    shifted -= np.log(np.exp(shifted).sum(-1, keepdims=True))  # in place: a [tokens, vocab] array is 50 MB a window
+    return shifted
 
 
 # Each filter as the ids it keeps (None: it is off, all kept), so ``sample`` can run the next
