@@ -51,9 +51,10 @@ class SamplingParams:
 def apply_penalties(logits: np.ndarray, params: SamplingParams, context_ids: np.ndarray, output_counts: dict[int, int]) -> np.ndarray:
     """Repetition penalty over ``context_ids`` (prompt + output); presence/frequency over output."""
     if params.repetition_penalty != 1.0 and len(context_ids):
-        ids = np.unique(context_ids)
-        picked = logits[ids]
-        logits[ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+        # No np.unique (232 us at 4k tokens, the penalty 12): a repeated id gathers the same
+        # unpenalized value and writes the same result, so it is penalized once all the same.
+        picked = logits[context_ids]
+        logits[context_ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and output_counts:
         ids = np.fromiter(output_counts.keys(), dtype=np.int64)
         counts = np.fromiter(output_counts.values(), dtype=np.float32)

@@ -162,7 +162,7 @@ class Sequence:
         """Logprobs of the model's own distribution (before penalties and temperature), if asked for."""
         if self.params.logprobs is None:
             return
-        lp = log_softmax(logits.astype(np.float32))
+        lp = log_softmax(np.asarray(logits, dtype=np.float32))  # no copy: log_softmax writes its own array
         top = [(i, self.tokenizer.token_text(i), v) for i, v in top_logprobs(lp, self.params.logprobs)]
         self.logprobs.append(TokenLogprob(token, self.tokenizer.token_text(token), float(lp[token]), top))
 

@@ -50,6 +50,8 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     logits = np.array([2.0, -2.0, 1.0], np.float32)
     out = S.apply_penalties(logits.copy(), SamplingParams(repetition_penalty=2.0), np.array([0, 1]), {})
     assert out.tolist() == [1.0, -4.0, 1.0]
+    again = S.apply_penalties(logits.copy(), SamplingParams(repetition_penalty=2.0), np.array([0, 1, 0, 0, 1]), {})
+    assert again.tolist() == [1.0, -4.0, 1.0]  # a token seen three times is penalized once
 
 
 def test_presence_and_frequency_penalties_follow_openai_formula():
