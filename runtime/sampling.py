@@ -195,6 +195,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.greedy:
         return int(np.argmax(logits))
     x, ids = logits / params.temperature, None
+    if not x.size or not np.isfinite(x.max()):  # NaN from a broken model, or nothing allowed
+        raise ValueError("cannot sample: the logits are NaN or every token is filtered out")
     for keep, value in _filters(params):
         kept = keep(x, value)
         if kept is not None:

@@ -137,6 +137,13 @@ def test_draw_refuses_weights_with_nothing_to_draw(size):
             S.draw(weights, FixedUniform(0.5))
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=5)])
+def test_sampling_nan_or_fully_masked_logits_is_one_clear_error(params):
+    for logits in (np.full(3000, np.nan, np.float32), np.full(3000, -np.inf, np.float32)):
+        with pytest.raises(ValueError, match="cannot sample"):
+            S.sample(logits, SamplingParams(**params), np.random.default_rng(0))
+
+
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=50),
                                     dict(temperature=0.7, top_k=50, top_p=0.9), dict(temperature=1.2, min_p=0.05),
                                     dict(temperature=1.0, top_p=0.95, min_p=0.02, typical_p=0.9)])
