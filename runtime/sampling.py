@@ -64,7 +64,9 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, context_ids: np.
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Over the last axis (one row [V] or rows [n, V])."""
-    return _normalized(_exp_shifted(logits))
+    z = _exp_shifted(logits)
+    z /= z.sum(-1, keepdims=True)
+    return z
 
 
 def _exp_shifted(logits: np.ndarray) -> np.ndarray:
@@ -72,11 +74,6 @@ def _exp_shifted(logits: np.ndarray) -> np.ndarray:
     # page faults here (a 49k-token softmax took 45 or 190 us depending on malloc's mood).
     z = logits - logits.max(-1, keepdims=True)
     return np.exp(z, out=z)
-
-
-def _normalized(z: np.ndarray) -> np.ndarray:
-    z /= z.sum(-1, keepdims=True)
-    return z
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -87,8 +84,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 # Each filter as the ids it keeps (None: it is off, all kept), so ``sample`` can run the next
-# one on the survivors only; the ``*_mask`` forms (``warp``, for speculative decoding's full
-# distributions) are built from the same functions and keep the same tokens.
+# one on the survivors only; ``warp`` (speculative decoding's full distributions) masks the
+# vocabulary with the same functions, so both keep the same tokens.
 
 def top_k_keep(logits: np.ndarray, k: int) -> np.ndarray | None:
     if k <= 0 or k >= logits.size:
@@ -154,22 +151,6 @@ def _masked(logits: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     out = np.full_like(logits, -np.inf)
     out[keep] = logits[keep]
     return out
-
-
-def top_k_mask(logits: np.ndarray, k: int) -> np.ndarray:
-    return _masked(logits, top_k_keep(logits, k))
-
-
-def top_p_mask(logits: np.ndarray, p: float) -> np.ndarray:
-    return _masked(logits, top_p_keep(logits, p))
-
-
-def min_p_mask(logits: np.ndarray, min_p: float) -> np.ndarray:
-    return _masked(logits, min_p_keep(logits, min_p))
-
-
-def typical_mask(logits: np.ndarray, mass: float) -> np.ndarray:
-    return _masked(logits, typical_keep(logits, mass))
 
 
 def _filters(params: SamplingParams) -> tuple:

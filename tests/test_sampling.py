@@ -14,18 +14,23 @@ def probs_of(logits):
     return S.softmax(logits)
 
 
+def masked(logits, **filters):
+    """The logits ``warp`` draws from at temperature 1 with ``filters``: filtered tokens -inf."""
+    return S.warp(logits, SamplingParams(**filters))
+
+
 def test_top_k_keeps_exactly_k_largest():
     logits = np.array([0.1, 3.0, -1.0, 2.0, 2.5, 0.0], np.float32)
-    kept = np.isfinite(S.top_k_mask(logits, 3))
+    kept = np.isfinite(masked(logits, top_k=3))
     assert kept.tolist() == [False, True, False, True, True, False]
-    assert np.isfinite(S.top_k_mask(logits, 0)).all()
+    assert np.isfinite(masked(logits, top_k=0)).all()
 
 
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.9, 0.999])
 def test_top_p_keeps_smallest_prefix_reaching_p(p):
     rng = np.random.default_rng(1)
     logits = rng.normal(size=5000).astype(np.float32) * 3
-    kept = np.isfinite(S.top_p_mask(logits, p))
+    kept = np.isfinite(masked(logits, top_p=p))
     probs = probs_of(logits)
     order = np.argsort(-probs)
     n = int(np.searchsorted(np.cumsum(probs[order]), p)) + 1
@@ -36,13 +41,13 @@ def test_top_p_keeps_smallest_prefix_reaching_p(p):
 
 def test_min_p_drops_tokens_below_fraction_of_top():
     logits = np.log(np.array([0.5, 0.3, 0.12, 0.05, 0.03], np.float32))
-    kept = np.isfinite(S.min_p_mask(logits, 0.2))  # threshold 0.1
+    kept = np.isfinite(masked(logits, min_p=0.2))  # threshold 0.1
     assert kept.tolist() == [True, True, True, False, False]
 
 
 def test_typical_keeps_tokens_nearest_the_entropy():
     logits = np.log(np.array([0.4, 0.3, 0.2, 0.1], np.float32))
-    kept = np.isfinite(S.typical_mask(logits, 0.5))
+    kept = np.isfinite(masked(logits, typical_p=0.5))
     assert kept.sum() >= 1 and not kept.all()
 
 
@@ -183,7 +188,7 @@ def test_top_p_keeps_what_a_full_stable_sort_keeps():
 
 def test_top_p_keeps_the_lowest_ids_of_equal_probabilities_at_the_edge():
     logits = np.log(np.array([0.1, 0.2, 0.4, 0.2, 0.1], np.float32))
-    assert np.isfinite(S.top_p_mask(logits, 0.5)).tolist() == [False, True, True, False, False]
+    assert np.isfinite(masked(logits, top_p=0.5)).tolist() == [False, True, True, False, False]
     assert S.top_p_keep(logits, 0.5).tolist() == [1, 2]
 
 
@@ -264,10 +269,10 @@ def test_typical_equals_transformers_typical_logits_warper(mass):
 
     rng = np.random.default_rng(int(mass * 100))
     cases = [rng.normal(size=320).astype(np.float32) * 3,
-             S.top_k_mask(rng.normal(size=320).astype(np.float32), 40),  # -inf entries, as after top-k
+             masked(rng.normal(size=320).astype(np.float32), top_k=40),  # -inf entries, as after top-k
              np.repeat(rng.normal(size=40).astype(np.float32), 8)]  # ties at the cut
     for logits in cases:
         ref = TypicalLogitsWarper(mass=mass)(None, torch.from_numpy(logits)[None])[0].numpy()
-        ours = S.typical_mask(logits, mass)
+        ours = masked(logits, typical_p=mass)
         assert np.array_equal(np.isfinite(ours), np.isfinite(ref))
         np.testing.assert_array_equal(ours[np.isfinite(ours)], logits[np.isfinite(ours)])
