@@ -25,7 +25,7 @@ from llmx.artifact.staging import finish, staged_artifact
 from llmx.calibration import kv_int8, pipeline
 from llmx.calibration.data import read_text_data, split_windows, token_windows
 from llmx.calibration.encoder import load_sentences, measure_embeddings
-from llmx.calibration.judge import meets, ratio_bound
+from llmx.calibration.judge import kl_ratio, meets, ratio_bound
 from llmx.calibration.layered import largest_stage_bytes
 from llmx.calibration.matmuls import is_quantized
 from llmx.calibration.options import UNSEARCHED_BLOCK_SIZE, CalibrationOptions
@@ -120,7 +120,8 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
 def _quality(measured: dict) -> str:
     if "cosine_mean" in measured:
         return f"cosine mean {measured['cosine_mean']:.4f} / min {measured['cosine_min']:.4f}"
-    return f"perplexity x{measured['perplexity_ratio']:.4f} (upper bound over windows x{ratio_bound(measured):.4f})"
+    return (f"perplexity x{measured['perplexity_ratio']:.4f} (upper bound over windows x{ratio_bound(measured):.4f}, "
+            f"exp(mean KL) x{kl_ratio(measured):.4f})")
 
 
 def _build(source: Artifact, split, options: CalibrationOptions, work: Path, tmp: Path, stats, log,

@@ -5,8 +5,9 @@ window with an empty cache (it returns logits at every position, the way ``llmx 
 first half-window runs), an encoder's ``embed`` graph fed each held-out sentence. The fp32
 outputs are computed once, here, so a candidate costs one run of its own graph per window.
 
-    decoder: perplexity ratio, its upper bound over windows (<= target; llmx.compare), top-1
-             agreement, mean KL; error = mean KL
+    decoder: perplexity ratio, its upper bound over windows (<= target; llmx.compare) and
+             exp(mean KL) (<= target: the ratio on the fp32 model's own text), top-1 agreement;
+             error = mean KL
     encoder: cosine to fp32, mean (>= target) and min (>= 1 - 2 (1 - target)); error = 1 - mean
 
 Speed is measured on the same session, right after: a decoder's single-token step after a
@@ -40,7 +41,19 @@ def meets(quality: dict, target: float) -> bool:
     """Whether a measured quality (search row or final report) holds the target."""
     if "cosine_mean" in quality:
         return quality["cosine_mean"] >= target and quality["cosine_min"] >= 1 - 2 * (1 - target)
-    return ratio_bound(quality) <= target
+    return ratio_bound(quality) <= target and kl_ratio(quality) <= target
+
+
+def kl_ratio(quality: dict) -> float:
+    """exp(mean KL(fp32 || candidate)): the perplexity ratio expected on text the fp32 model itself
+    would write, where a quantization error cannot cancel against the text's tokens.
+
+    The held-out split is one text; a ratio measured on it can be lucky. On SmolLM2-135M, w8a8's
+    pick measured x1.0052 on the calibration file's tail (code) with KL 0.029 (exp: x1.030), and
+    x1.0238 on 24 windows of other prose: the text's ratio followed KL, not the split's ratio.
+    Holding both keeps the target on text the split does not resemble. Records written before the
+    judge measured KL hold the ratio alone."""
+    return float(np.exp(quality.get("mean_kl", 0.0)))
 
 
 def ratio_bound(quality: dict) -> float:
@@ -145,7 +158,7 @@ class DecoderJudge:
     # and how far the target allows.
     @staticmethod
     def excess(quality: dict) -> float:
-        return max(float(np.log(ratio_bound(quality))), 0.0)
+        return max(float(np.log(ratio_bound(quality))), float(np.log(kl_ratio(quality))), 0.0)
 
     @staticmethod
     def budget(target: float) -> float:

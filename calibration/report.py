@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from llmx.artifact.handle import Artifact
-from llmx.calibration.judge import reference_logprobs
+from llmx.calibration.judge import kl_ratio, reference_logprobs
 from llmx.calibration.on_disk import ArraysOnDisk
 from llmx.calibration.search import format_search
 from llmx.runtime.engine import make_backend
@@ -100,6 +100,8 @@ def _format_quality(report: dict) -> str:
              "holds this)"] if "perplexity_ratio_upper" in report else []),
         f"  {'top-1 agreement':18}{'':>12}{report['top1_agreement']:>11.2%}",
         f"  {'mean KL (nats)':18}{'':>12}{report['mean_kl']:>12.5f}",
+        f"  {'  exp(KL)':18}{'':>24}{kl_ratio(report):>9.4f}x  (the ratio on the fp32 model's own text; the target "
+        "holds this too)",
     ]
     return "\n".join(rows + _size_rows(fp, q, scheme))
 

@@ -286,6 +286,49 @@ def test_pick_takes_the_fastest_measured_row_beyond_the_timing_noise():
     assert pick([few, more], error) is few
 
 
+def test_fallbacks_are_added_until_kl_holds_the_target_where_the_ratio_already_does():
+    """The held-out ratio meets from the start, but the candidate's distributions are further from
+    fp32's than the target allows (exp(mean KL) > target): the search keeps falling back until KL
+    holds too, and picks the fewest that do. Judge and graphs are faked: KL falls with each of ten
+    equally sensitive MatMuls kept, 0.05 x (10 - n) / 10; ln(1.02) = 0.0198 needs n = 7."""
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.judge import DecoderJudge
+    from llmx.calibration.search import Search, pick
+
+    weights = [f"model.layers.{i}.mlp.down.weight" for i in range(10)]
+
+    class Judge(DecoderJudge):
+        feeds = [None]
+
+        def __init__(self):
+            pass
+
+        def score(self, candidate, progress=lambda n: None, limit=None):
+            kept = len(candidate.fallback)
+            return {"perplexity_ratio": 1.0, "perplexity_ratio_upper": 1.001, "top1_agreement": 1.0,
+                    "mean_kl": 0.05 * (10 - kept) / 10}
+
+        def speed(self, candidate):
+            return {"step_ms": 1.0, "prefill_ms": 1.0, "decode_tok_s": 1e3, "cost_ms": 1.0 + len(candidate.fallback)}
+
+    class Builder:
+        def build(self, candidate):
+            return candidate, 0
+
+    class Faked(Search):
+        def session(self, graph):
+            return graph
+
+    search = Faked(Judge(), Builder(), 1.02, 1, lambda msg: None)
+    base = search.attempt(Candidate(method="minmax", alpha=0.8), "recipe")
+    assert base["perplexity_ratio_upper"] <= 1.02 and not base["meets"]  # the ratio alone would stop here
+    search.fewest_fallbacks(base, weights, {w: 1.0 for w in weights})
+    chosen = pick(search.rows, DecoderJudge.error)
+    assert chosen["fallback"] == weights[:7] and chosen["meets"]
+    assert all(not r["meets"] for r in search.rows if len(r["fallback"]) < 7)
+    assert len(search.rows) <= 5  # predicted from the KL excess, then checked: not a walk from 1
+
+
 def test_a_pick_slower_than_fp32_is_said_loudly(store, calib_text, tmp_path, capsys, monkeypatch):
     """The fp32 graph is timed first; when the quantized pick measures slower, the log and the
     record say so (here the timings are faked: quantized graphs twice as slow)."""

@@ -132,6 +132,27 @@ def test_the_ratio_bound_adds_one_standard_error_of_the_windows_log_ratios():
     assert meets({"perplexity_ratio": quality["perplexity_ratio"]}, between)  # a record from before the bound
 
 
+def test_a_ratio_that_cancels_on_the_text_does_not_meet_when_kl_says_otherwise():
+    """A candidate luckier than fp32 on the held-out tokens (ratio below 1) whose distributions moved
+    by more than the target allows on the fp32 model's own text (exp(mean KL) > target) misses;
+    the search's fallback prediction sees the larger of the two (worked by hand)."""
+    from llmx.calibration.judge import DecoderJudge, kl_ratio, meets
+    from llmx.compare import Agreement
+
+    ref = np.log(np.full((2, 2), 0.5))
+    cand = np.log(np.array([[0.7, 0.3], [0.3, 0.7]]))  # more mass on each token that followed
+    result = Agreement()
+    result.add(ref, cand, np.array([0, 1]))
+    summary = result.summary()
+    kl = 0.5 * np.log(0.5 / 0.7) + 0.5 * np.log(0.5 / 0.3)
+    assert summary["perplexity_ratio_upper"] == pytest.approx(0.5 / 0.7) and summary["mean_kl"] == pytest.approx(kl)
+    assert kl_ratio(summary) == pytest.approx(np.exp(kl))
+    assert not meets(summary, 1.05) and meets(summary, float(np.exp(kl)) + 1e-9)
+    assert DecoderJudge.excess(summary) == pytest.approx(kl)
+    assert DecoderJudge.excess({**summary, "mean_kl": 0.0}) == 0.0  # below fp32 on both: no excess
+    assert meets({"perplexity_ratio": 1.01}, 1.02)  # a record from before KL was measured: the ratio alone
+
+
 @pytest.mark.parametrize(
     "extra, words",
     [
