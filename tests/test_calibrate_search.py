@@ -525,6 +525,60 @@ def test_searched_graph_is_what_onnx_runtimes_quantizer_writes(scheme, tied_fp32
     assert size == sum(v.nbytes for v in ours_t.values())
 
 
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_w8a8_graph_is_what_onnx_runtimes_quantizer_writes_unaided(per_channel, tied_fp32, tmp_path):
+    """quantize_qdq hands ONNX Runtime's quantizer the per-channel weight scales and rounds each
+    weight as one array (static.py: its own loop runs per output channel in Python); node for node
+    and byte for byte the graph is what the quantizer writes on its own. The weights are planted
+    with what the arithmetic must get right: a zero column (scale 1), a column whose largest |w| is
+    negative, values on rounding halves, float16-sized tiny ones."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    from llmx.calibration.matmuls import declare_activation_types, initializers, weight_matmuls
+    from llmx.calibration.static import minmax_ranges, quantize_qdq
+
+    fp32, weights = tied_fp32
+    model = onnx.load_model(str(fp32))
+    declare_activation_types(model)
+    inits = initializers(model)
+    for i, mm in enumerate(weight_matmuls(model)):
+        w = onnx.numpy_helper.to_array(inits[mm.weight]).copy()
+        w[:, 0] = 0.0
+        w[:, 1] = -np.abs(w[:, 1]) * 3
+        w[:, 2] = (np.arange(w.shape[0]) % 100 + 0.5) * 2.0 ** -(7 + i % 3)  # exact halves of the scale step:
+        w[0, 2] = 127 * 2.0 ** -(7 + i % 3)  # scale 2^-(7..9), so w / scale lands on k + 0.5 (round half to even)
+        w[:, 3] *= 1e-39
+        inits[mm.weight].CopyFrom(onnx.numpy_helper.from_array(w, mm.weight))
+    onnx.save_model(model, str(fp32), save_as_external_data=True, location="weights.bin")
+    rng = np.random.default_rng(0)
+    absmax = {mm.weight: rng.uniform(0.5, 4.0, inits[mm.weight].dims[0]).astype(np.float32) for mm in weight_matmuls(model)}
+    ranges = minmax_ranges(model, absmax)
+    ours, theirs = tmp_path / "ours" / "decode.onnx", tmp_path / "theirs" / "decode.onnx"
+    ours.parent.mkdir(), theirs.parent.mkdir()
+    skip = {weights[2]}
+    quantize_qdq(fp32, ours, ranges, "minmax", per_channel=per_channel, skip=skip)
+    cache = theirs.with_suffix(".ranges.json")
+    save_tensors_data(ranges, cache)
+    nodes = [mm.node.name for mm in weight_matmuls(model) if mm.weight not in skip]
+    quantize_static(str(fp32), str(theirs), None, quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
+                    nodes_to_quantize=nodes, per_channel=per_channel, activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8, calibration_cache_path=str(cache), use_external_data_format=True,
+                    extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "MatMulConstBOnly": True,
+                                   "OpTypesToExcludeOutputQuantization": ["MatMul"],
+                                   "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}})
+    a, b = onnx.load_model(str(ours)), onnx.load_model(str(theirs))
+    assert [(n.op_type, list(n.input), list(n.output)) for n in a.graph.node] == \
+        [(n.op_type, list(n.input), list(n.output)) for n in b.graph.node]
+    mine = {i.name: onnx.numpy_helper.to_array(i) for i in a.graph.initializer}
+    reference = {i.name: onnx.numpy_helper.to_array(i) for i in b.graph.initializer}
+    assert sorted(mine) == sorted(reference)
+    for name, value in reference.items():
+        assert mine[name].dtype == value.dtype and mine[name].tobytes() == value.tobytes(), name
+    scales = [v for k, v in reference.items() if k.endswith("_scale") and v.ndim == 1]
+    assert (bool(scales) and any((v == 1.0).any() for v in scales)) == per_channel  # the zero column's scale
+
+
 def test_w8a8_fallback_graphs_derived_from_the_recipe_graph_equal_the_quantizers(store, tied_fp32, tmp_path):
     """A w8a8 recipe is quantized by ONNX Runtime once; a fallback graph derived from it (the
     MatMuls left out read their activation and fp32 weight again) computes what the quantizer
