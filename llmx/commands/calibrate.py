@@ -62,7 +62,8 @@ def register(cli: click.Group) -> None:
                   help="int8: store the KV cache as int8 with calibrated per-channel scales (a quarter of the memory).")
     @click.option("--target", type=float, default=None,
                   help="Quality the search must reach: max perplexity ratio for decoders (default w8a8 1.02, w8 1.005, "
-                       "w4 1.03), min mean cosine to fp32 for encoders (default 0.99).")
+                       "w4 1.03), held on the held-out windows (one standard error above) and as exp(mean KL), the "
+                       "ratio on the fp32 model's own text; min mean cosine to fp32 for encoders (default 0.99).")
     @click.option("--search/--no-search", default=True, show_default=True,
                   help="Search recipes and per-MatMul fallbacks for the fastest one meeting --target; "
                        "--no-search quantizes with exactly the flags given.")
