@@ -18,6 +18,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import load_graph
@@ -25,7 +27,7 @@ from llmx.artifact.staging import finish, staged_artifact
 from llmx.calibration import kv_int8, pipeline
 from llmx.calibration.data import read_text_data, split_windows, token_windows
 from llmx.calibration.encoder import load_sentences, measure_embeddings
-from llmx.calibration.judge import kl_ratio, meets, ratio_bound
+from llmx.calibration.judge import DecoderJudge, kl_ratio, meets, ratio_bound
 from llmx.calibration.layered import largest_stage_bytes
 from llmx.calibration.matmuls import is_quantized
 from llmx.calibration.options import UNSEARCHED_BLOCK_SIZE, CalibrationOptions
@@ -63,13 +65,14 @@ def calibrate_artifact(src: str | Path | Artifact, out: str | Path, data: str | 
         log(f"{options.label}: calibrating on {len(split.calibration)} windows x {split.seq_len} tokens from {data}")
     started = time.perf_counter()
     with staged_artifact(out, overwrite=force) as tmp, tempfile.TemporaryDirectory(prefix="llmx-calibrate-") as work:
-        stats, searched, builder = None, None, None
+        stats, searched, builder, fp32_logprobs = None, None, None, None
         if options.search is not None and options.scheme is not None:
-            options, stats, searched, builder = search_recipe(source, split, options, Path(work) / "search", force,
-                                                              log, progress)
+            options, stats, searched, builder, fp32_logprobs = search_recipe(source, split, options,
+                                                                             Path(work) / "search", force, log, progress)
         new = _build(source, split, options, Path(work), tmp, stats, log, progress, builder)
         new.precision.data = data_record
-        report = _report(source, Artifact(tmp, new), split, options, eval_data, log, progress, Path(work))
+        report = _report(source, Artifact(tmp, new), split, options, eval_data, log, progress, Path(work),
+                         fp32_logprobs)
         report["calibration_seconds"] = round(time.perf_counter() - started, 1)
         if searched is not None:
             report["search"] = searched
@@ -104,8 +107,8 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
             space = replace(space, alphas=(None,))
     if options.block_size is not None:  # a given block size fixes that dimension, as --method fixes the method
         space = replace(space, block_sizes=(options.block_size,))
-    chosen, record, builder = run_search(paths, source.manifest, feeds, stats, split.evaluation, options, space,
-                                         work, log, progress, reference)
+    chosen, record, builder, judge = run_search(paths, source.manifest, feeds, stats, split.evaluation, options,
+                                                space, work, log, progress, reference)
     if not record["met"]:
         best = record["candidates"][record["chosen"]]
         message = (f"no configuration meets the target ({record['measure']}); the best found, {best['label']}, "
@@ -114,7 +117,8 @@ def search_recipe(source: Artifact, split, options: CalibrationOptions, work: Pa
             log(format_search(record))
             raise TargetNotMetError(message + "; --force keeps it, or relax --target")
         log(message + " (kept: --force)")
-    return apply(options, chosen), stats.collected, record, builder if options.scheme != "w8a8" else None
+    return (apply(options, chosen), stats.collected, record, builder if options.scheme != "w8a8" else None,
+            judge.reference if isinstance(judge, DecoderJudge) else None)
 
 
 def _quality(measured: dict) -> str:
@@ -139,21 +143,26 @@ def _build(source: Artifact, split, options: CalibrationOptions, work: Path, tmp
 
 
 def _report(source: Artifact, candidate: Artifact, split, options: CalibrationOptions, eval_data, log,
-            progress: Progress, work: Path) -> dict:
+            progress: Progress, work: Path, fp32_logprobs=None) -> dict:
+    """``fp32_logprobs``: the search judge's fp32 log-probabilities of the same held-out windows
+    (float16 on disk), read back instead of running the fp32 model again: 16 windows of SmolLM2-135M
+    are 10 s of a calibration, an 8B model's layered pass minutes."""
     encoder = source.manifest.kind == "encoder"
     unit = "sentences" if encoder else "windows"
     log(f"measuring quality on {len(split.evaluation)} held-out {unit}")
-    if options.layered:
+    reference = None
+    if fp32_logprobs is not None and not encoder:
+        reference = (logprobs.astype(np.float32) for logprobs in fp32_logprobs)
+    elif options.layered:
         with progress("fp32 reference, a layer at a time", len(split.evaluation)) as bar:
             reference = layered_reference(source, split.evaluation, options.threads, work / "report-reference.f32",
                                           bar.update)
-    else:
-        reference = None
     with progress("evaluating", len(split.evaluation)) as bar:
         if encoder:
             measured = measure_embeddings(source, candidate, split.evaluation, options.threads, bar.update)
         else:
-            measured = measure(source, candidate, split.evaluation, options.threads, bar.update, reference)
+            measured = measure(source, candidate, split.evaluation, options.threads, bar.update, reference,
+                               layered=bool(options.layered))
     source_text = str(eval_data) if eval_data else f"held-out tail of {candidate.manifest.precision.data['source']}"
     return {"scheme": options.scheme, "label": options.label, "kv_cache": options.kv_cache, "options": asdict(options),
             "evaluation": {"source": source_text, unit: len(split.evaluation), "seq_len": split.seq_len}, **measured}

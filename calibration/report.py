@@ -23,17 +23,19 @@ REPORT_FILE = "quality.json"
 
 
 def measure(reference: Artifact, candidate: Artifact, windows: list[list[int]], threads: int | None = None,
-            progress: Callable[[int], None] = lambda n: None, fp32_logprobs: Iterable | None = None) -> dict:
+            progress: Callable[[int], None] = lambda n: None, fp32_logprobs: Iterable | None = None,
+            layered: bool = False) -> dict:
     """Perplexity of both artifacts and their agreement on ``windows`` (ONNX Runtime CPU).
-    ``fp32_logprobs``: the fp32 side already computed, one array per window (layered_reference)."""
+    ``fp32_logprobs``: the fp32 side already computed, one float32 array per window (the search
+    judge's, or layered_reference). ``layered``: the model's memory is short (below)."""
     # lazy_prefill=False: the report must judge the candidate's prefill graph too (a batch of
     # prompts runs it), even when a window batch holds one row, which the default would prefill on
     # the decode graph. The fp32 reference is not judged: its decode graph alone computes the same
     # function, and a second session would pack a second copy of the fp32 weights (SmolLM2: 0.6 GB).
-    # A model run a layer at a time (fp32_logprobs given) is one whose memory is short: the
-    # candidate's prefill graph, whose session would pack a second copy of the blocks (8B w4: 4.3
-    # GB), is left out, and its decode graph prefills, as a single prompt is served.
-    cand = make_backend(candidate, "ort-cpu", threads=threads, lazy_prefill=fp32_logprobs is not None)
+    # A model run a layer at a time (``layered``) is one whose memory is short: the candidate's
+    # prefill graph, whose session would pack a second copy of the blocks (8B w4: 4.3 GB), is
+    # left out, and its decode graph prefills, as a single prompt is served.
+    cand = make_backend(candidate, "ort-cpu", threads=threads, lazy_prefill=layered)
     if fp32_logprobs is None:
         ref = make_backend(reference, "ort-cpu", threads=threads, lazy_prefill=True)
         result = agreement(ref, cand, windows, progress).summary()

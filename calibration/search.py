@@ -204,8 +204,8 @@ class Search:
 
 def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], ActivationStats], held_out: list[list[int]],
                options, space: SearchSpace, work: Path, log: Callable[[str], None] = lambda msg: None,
-               progress: Progress = silent, reference: dict[str, Path] | None = None) -> tuple[Candidate, dict, object]:
-    """(the chosen candidate, the search record, the builder that made its graphs) for
+               progress: Progress = silent, reference: dict[str, Path] | None = None) -> tuple[Candidate, dict, object, object]:
+    """(the chosen candidate, the search record, the builder that made its graphs, the judge) for
     ``options.scheme`` on the fp32 ``paths``; ``stats()`` gives the activation statistics,
     collected on first call. ``reference``: the fp32 graphs the judge runs, if not ``paths``
     (pipeline.reference_graphs)."""
@@ -248,7 +248,7 @@ def run_search(paths: dict[str, Path], manifest, feeds, stats: Callable[[], Acti
               "met": chosen["meets"], "sensitivity": sensitivity, "fp32": judge.fp32_speed,
               "slower_than_fp32": slower,
               "seconds": {"reference": round(reference_seconds, 2), "search": round(time.perf_counter() - start, 2)}}
-    return candidate_of(chosen), record, builder
+    return candidate_of(chosen), record, builder, judge
 
 
 def narrowed(tier: list[Candidate], best: Candidate) -> list[Candidate]:

@@ -114,6 +114,32 @@ def test_report_matches_an_independent_eval(quantized, store, calib_text, capsys
     assert perplexity(fp32.backend, held_out).perplexity == pytest.approx(report["fp32"]["perplexity"], rel=1e-5)
 
 
+def test_a_searched_report_reads_the_judges_fp32_reference_instead_of_rerunning_it(store, calib_text, tmp_path,
+                                                                                   monkeypatch):
+    """After a search, the report's fp32 side is the judge's log-probabilities of the same windows
+    (float16 on disk): the fp32 artifact is not opened again, and its perplexity is what an
+    independent run measures, to float16's rounding."""
+    import llmx.calibration.report as report_module
+    from llmx.calibration.data import read_text_data, split_windows, token_windows
+    from llmx.calibration.search import SearchSpace
+    from llmx.runtime.evaluate import perplexity
+
+    opened = []
+    real = report_module.make_backend
+    monkeypatch.setattr(report_module, "make_backend", lambda art, *a, **k: opened.append(Path(art.root)) or real(art, *a, **k))
+    options = CalibrationOptions(scheme="w8", search=SearchSpace(target=1.5, alphas=(None,), fallback=False), **FAST)
+    calibrate_artifact(store.artifact("llama"), tmp_path / "w8", calib_text, options)
+    assert len(opened) == 1 and opened[0].resolve() != Path(store.artifact("llama")).resolve()  # the candidate alone
+    report = json.loads((tmp_path / "w8" / "quality.json").read_text())
+    engine = Engine.load(store.artifact("llama"), threads=1)
+    windows = token_windows(engine.tokenizer, read_text_data(calib_text), FAST["seq_len"])
+    held_out = split_windows(windows, FAST["seq_len"], FAST["samples"], FAST["eval_samples"]).evaluation
+    fp32 = perplexity(engine.backend, held_out).perplexity
+    assert report["fp32"]["perplexity"] == pytest.approx(fp32, rel=1e-3) and report["fp32"]["perplexity"] != fp32
+    quantized = perplexity(Engine.load(tmp_path / "w8", threads=1).backend, held_out).perplexity
+    assert report["quantized"]["perplexity"] == pytest.approx(quantized, rel=1e-5)
+
+
 @pytest.mark.parametrize("broken", ["prefill", "decode"])
 def test_broken_quantization_is_reported_as_a_large_perplexity_increase(broken, store, calib_text, tmp_path,
                                                                          monkeypatch):
