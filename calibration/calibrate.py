@@ -151,7 +151,7 @@ def _report(source: Artifact, candidate: Artifact, split, options: CalibrationOp
     unit = "sentences" if encoder else "windows"
     log(f"measuring quality on {len(split.evaluation)} held-out {unit}")
     reference = None
-    if fp32_logprobs is not None and not encoder:
+    if fp32_logprobs is not None:  # a decoder's search (search_recipe gives none for encoders)
         reference = (logprobs.astype(np.float32) for logprobs in fp32_logprobs)
     elif options.layered:
         with progress("fp32 reference, a layer at a time", len(split.evaluation)) as bar:

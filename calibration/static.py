@@ -167,7 +167,7 @@ def weight_scale_overrides(model, base_dir: Path, matmuls) -> dict[str, list[dic
     inits = initializers(model)
     found = {}
     for mm in matmuls:
-        if mm.weight in found or mm.weight not in inits:
+        if mm.weight in found:  # one weight read by several MatMuls
             continue
         scales = per_channel_scales(read_array(inits[mm.weight], base_dir)).tolist()
         found[mm.weight] = [{"axis": 1, "scale": scales[0], "zero_point": 0}, *({"scale": v, "zero_point": 0}
@@ -182,6 +182,7 @@ def vectorized_int8_weights():
     quantize_nparray does per channel); any other call goes to the original."""
     from onnx import TensorProto, numpy_helper
     from onnxruntime.quantization import qdq_quantizer
+    from onnxruntime.quantization.quant_utils import TENSOR_NAME_QUANT_SUFFIX
 
     original = qdq_quantizer.quantize_onnx_initializer
 
@@ -193,7 +194,7 @@ def vectorized_int8_weights():
         shape[axis] = -1
         q = np.round(data / np.asarray(scale, np.float32).reshape(shape)) + np.asarray(zero_point, np.float32).reshape(shape)
         q = np.clip(q, -128, 127, out=q).astype(np.int8)
-        return numpy_helper.from_array(q, quant_weight_name or f"{weight.name}_quantized")
+        return numpy_helper.from_array(q, quant_weight_name or f"{weight.name}{TENSOR_NAME_QUANT_SUFFIX}")
 
     qdq_quantizer.quantize_onnx_initializer = fast
     try:
