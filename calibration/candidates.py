@@ -24,7 +24,7 @@ from llmx.calibration.activations import ActivationStats
 from llmx.calibration.matmuls import drop_unused_initializers, initializers, read_array, weight_matmuls
 from llmx.calibration.sensitivity import PROBE_INPUT, group_keys, probe_model, quantized_product, relative_error
 from llmx.calibration.smoothquant import apply_smoothing, smoothing_scales
-from llmx.calibration.static import collect_ranges, minmax_ranges, quantize_qdq
+from llmx.calibration.static import collect_ranges, quantize_qdq, ranges_from_stats
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,8 @@ class StaticBuilder:
     def ranges(self, method: str, alpha: float | None):
         if (method, alpha) not in self._ranges:
             path, scales = self.smoothed(alpha)
-            if method == "minmax":  # straight from the statistics: no model run
-                ranges = minmax_ranges(load_graph(path), self.stats.absmax[self.graph], scales)
-            else:
+            ranges = ranges_from_stats(method, load_graph(path), self.stats, self.graph, scales)  # no model run
+            if ranges is None:
                 ranges = collect_ranges(path, self.feeds(self.graph), method)
             self._ranges[(method, alpha)] = ranges
         return self._ranges[(method, alpha)]

@@ -107,7 +107,7 @@ class DecoderJudge:
                  layered: bool = False, scratch: Path | None = None):
         """``layered``: the fp32 graph runs a layer at a time (layered.py), and is not timed.
         ``scratch``: where the reference goes on disk (default: beside the graph)."""
-        self.threads = threads
+        self.threads, self.manifest = threads, manifest
         reference = opens(fp32_graph, threads, layered)
         self.feeds = [self._feed(reference, manifest, w) for w in windows]
         self.targets = [np.asarray(w[1:]) for w in windows]
@@ -141,14 +141,37 @@ class DecoderJudge:
         return {"step_ms": step, "prefill_ms": prefill, "decode_tok_s": round(1e3 / step, 1),
                 "cost_ms": round(step + prefill / self.context, 3)}
 
-    def score(self, candidate, progress: Callable[[int], None] = lambda n: None, limit: int | None = None) -> dict:
-        """Quality on the held-out windows (the first ``limit`` of them)."""
+    def score(self, candidate, progress: Callable[[int], None] = lambda n: None, limit: int | None = None,
+              target: float | None = None, tokens: int | None = None) -> dict:
+        """Quality on the held-out windows (the first ``limit`` of them; their first ``tokens``: a
+        causal model's logits there are the whole window's). ``target``: stop at the window after
+        which the candidate cannot meet it (``scored`` then says how many were).
+
+        KL is never negative, so once the KL summed so far exceeds log(target) times every
+        prediction of the windows, exp(mean KL) over all of them is past the target whatever the
+        rest hold: the remaining windows would only say by how much. A recipe far off (SmolLM2
+        w4's round-to-nearest: KL 0.66 against a budget of 0.03) is known after one window of 16.
+        A target nothing can meet (<= 1) asks for every candidate measured: no stop.
+        """
+        windows = list(islice(zip(self.feeds, self.reference, self.targets), limit))
+        if tokens is not None:
+            windows = [(self._first(feed, tokens), ref[:tokens - 1], targets[:tokens - 1]) for feed, ref, targets in windows]
+        budget = np.inf if target is None or target <= 1 else float(np.log(target)) * sum(len(t) for _, _, t in windows)
         result = Agreement()
-        for feed, ref, targets in islice(zip(self.feeds, self.reference, self.targets), limit):
+        for feed, ref, targets in windows:
             result.add(ref.astype(np.float32), log_softmax(candidate.run(["logits"], feed)[0][0, :-1]), targets)
             progress(1)
+            if result.kl_sum > budget:
+                break
         summary = result.summary()
-        return {k: summary[k] for k in ("perplexity_ratio", "perplexity_ratio_upper", "top1_agreement", "mean_kl")}
+        quality = {k: summary[k] for k in ("perplexity_ratio", "perplexity_ratio_upper", "top1_agreement", "mean_kl")}
+        return {**quality, **scored(summary["windows"], len(windows))}
+
+    def _first(self, feed: dict, tokens: int) -> dict:
+        """``feed`` (a window on an empty cache) cut to its first ``tokens``."""
+        window = feed["input_ids"][0, :tokens].tolist()
+        empty = [np.zeros((1, p.shape[1], 0, p.shape[3]), p.dtype) for p in map(feed.get, self.manifest.kv.past_names())]
+        return decode_feed(self.manifest, window, empty, 0, len(window))
 
     @staticmethod
     def error(quality: dict) -> float:
@@ -175,22 +198,35 @@ class EncoderJudge:
         self.fp32_speed = self.speed(reference)
 
     def _vectors(self, candidate, progress: Callable[[int], None] = lambda n: None,
-                 limit: int | None = None) -> np.ndarray:
-        vectors = []
+                 limit: int | None = None, budget: float = np.inf) -> np.ndarray:
+        """Embeddings of the held-out batches (the first ``limit``), until the cosine distance summed
+        so far passes ``budget``."""
+        vectors, done, lost = [], 0, 0.0
         for feed in self.feeds[:limit]:
             vectors.append(candidate.run(None, feed)[0])
             progress(1)
+            if budget < np.inf:
+                lost += float((1.0 - cosine(self.reference[done:done + len(vectors[-1])], vectors[-1])).sum())
+                if lost > budget:
+                    break
+            done += len(vectors[-1])
         return np.concatenate(vectors)
 
     def speed(self, candidate) -> dict:
         embed = median_ms(lambda: candidate.run(None, self.feeds[0]), STEP_RUNS)
         return {"embed_ms": embed, "cost_ms": embed}
 
-    def score(self, candidate, progress: Callable[[int], None] = lambda n: None, limit: int | None = None) -> dict:
-        """Cosine to fp32 on the held-out inputs (the first ``limit`` batches of them)."""
-        vectors = self._vectors(candidate, progress, limit)
+    def score(self, candidate, progress: Callable[[int], None] = lambda n: None, limit: int | None = None,
+              target: float | None = None) -> dict:
+        """Cosine to fp32 on the held-out inputs (the first ``limit`` batches of them). ``target``:
+        stop once the mean cannot reach it (1 - cosine is never negative: DecoderJudge.score)."""
+        feeds = self.feeds[:limit]
+        sentences = sum(len(next(iter(feed.values()))) for feed in feeds)
+        budget = np.inf if target is None or target >= 1 else (1.0 - target) * sentences
+        vectors = self._vectors(candidate, progress, limit, budget)
         cos = cosine(self.reference[:len(vectors)], vectors)
-        return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min())}
+        return {"cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
+                **scored(len(vectors), sentences)}
 
     @staticmethod
     def error(quality: dict) -> float:
@@ -204,6 +240,11 @@ class EncoderJudge:
     @staticmethod
     def budget(target: float) -> float:
         return 1.0 - target
+
+
+def scored(done: int, of: int) -> dict:
+    """What a score that stopped early records (a certain miss: DecoderJudge.score); nothing if complete."""
+    return {} if done == of else {"scored": f"{done}/{of}"}
 
 
 def make_judge(fp32_graphs: dict[str, Path], manifest: Manifest, held_out: list[list[int]], threads: int | None,

@@ -14,7 +14,7 @@ from llmx.artifact.handle import Artifact
 from llmx.artifact.manifest import Manifest
 from llmx.artifact.onnx_files import WEIGHTS_FILE, describe_graph, load_graph, save_graphs
 from llmx.artifact.staging import copy_tokenizer
-from llmx.calibration.activations import ActivationStats, collect_stats, statistics_graphs
+from llmx.calibration.activations import TOP_ROWS, ActivationStats, collect_stats, statistics_graphs
 from llmx.calibration.candidates import Candidate
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import Feeds
@@ -24,7 +24,7 @@ from llmx.calibration.matmuls import (SHARED_WEIGHTS, declare_activation_types, 
 from llmx.calibration.options import CalibrationOptions
 from llmx.calibration.progress import Progress, silent
 from llmx.calibration.smoothquant import activation_absmax, apply_smoothing, smoothing_scales
-from llmx.calibration.static import activation_scales, collect_ranges, minmax_ranges, quantize_qdq
+from llmx.calibration.static import activation_scales, collect_ranges, quantize_qdq, ranges_from_stats
 from llmx.calibration.tensorrt_cache import TRT_VERSION, write_tables
 from llmx.calibration.weight_only_builder import WeightOnlyBuilder
 
@@ -66,6 +66,9 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
 
 
+SEARCHED = ("decode", "embed")  # the graph the search scores (judge.py), a decoder's and an encoder's
+
+
 def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress,
                scratch: Path) -> ActivationStats:
     """One fp32 pass over the calibration feeds of the graphs the scheme needs (statistics_graphs);
@@ -76,7 +79,10 @@ def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progr
     else:
         total = sum(feeds.count(name) for name in graphs)
     with progress("activation statistics", total) as bar:
-        stats = collect_stats(graphs, feeds, bar.update, options.threads, options.layered)
+        # w8a8's percentile ranges of the searched graph from the statistics (a layered run: too
+        # many channels to keep)
+        top_rows = TOP_ROWS if options.scheme == "w8a8" and not options.layered else 0
+        stats = collect_stats(graphs, feeds, bar.update, options.threads, options.layered, top_rows, SEARCHED)
     stats.spill(scratch / "activation-rows.f32")
     return stats
 
@@ -161,13 +167,12 @@ def smooth_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, ou
 
 def static_graphs(paths: dict[str, Path], feeds, options: CalibrationOptions, out: Path, progress: Progress,
                   stats: ActivationStats | None = None, scales: dict | None = None) -> dict:
-    """Q/DQ graphs; minmax ranges come from ``stats`` (and the smoothing ``scales`` applied to
-    ``paths``) when given: what ORT's calibrator would find, without running the graphs again."""
+    """Q/DQ graphs; minmax and percentile ranges come from ``stats`` (and the smoothing ``scales``
+    applied to ``paths``) when given (static.ranges_from_stats), without running the graphs again."""
     out.mkdir()
     for name, path in paths.items():
-        if options.method == "minmax" and stats is not None:
-            ranges = minmax_ranges(load_graph(path), stats.absmax[name], scales)
-        else:
+        ranges = None if stats is None else ranges_from_stats(options.method, load_graph(path), stats, name, scales)
+        if ranges is None:
             with progress(f"calibrating {name}", feeds.count(name)) as bar:
                 ranges = collect_ranges(path, feeds(name), options.method, bar.update)
         quantize_qdq(path, out / f"{name}.onnx", ranges, options.method, options.per_channel, skip=set(options.fallback))

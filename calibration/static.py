@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from pathlib import Path
 from collections.abc import Collection
 from typing import Callable, Iterable
@@ -203,6 +204,60 @@ def vectorized_int8_weights():
         qdq_quantizer.quantize_onnx_initializer = original
 
 
+def ranges_from_stats(method: str, model, stats, graph: str, scales: dict[str, np.ndarray] | None = None):
+    """``method``'s ranges (ORT TensorsData) for ``model`` (``graph``, smoothed by ``scales`` if
+    given) from the activation statistics (activations.py), without running it; None where they
+    do not decide them (entropy; percentile without kept top values): run ``collect_ranges``."""
+    if method == "minmax":
+        return minmax_ranges(model, stats.absmax[graph], scales)
+    if method == "percentile" and graph in stats.tops:
+        return percentile_ranges(model, stats.tops[graph], stats.seen[graph], scales)
+    return None
+
+
+def _per_weight_scales(model, scales: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    return {w: scales[g.key] for g in groups(model) for w in g.weights if g.key in (scales or {})}
+
+
+PERCENTILE = _CALIBRATOR_OPTIONS["percentile"]["percentile"]
+
+
+def percentile_ranges(model, tops: dict[str, np.ndarray], seen: dict[str, int],
+                      scales: dict[str, np.ndarray] | None = None, percentile: float = PERCENTILE):
+    """Percentile ranges (ORT TensorsData) from each channel's largest |X| (ActivationStats.tops,
+    over ``seen`` rows), or None if a range is not decided by them.
+
+    The threshold is the smallest |X / s| with ``percentile`` % of the values at or below it,
+    exactly; ONNX Runtime's PercentileCalibrater reads it off a 2048-bin histogram, which puts it
+    at the lower edge of the bin that holds it (up to max/2048 lower, depending on the first
+    feed's range). The values above it are all among the channels' kept largest whenever no
+    channel's smallest kept value exceeds it (then nothing dropped could be above it); that is
+    checked, not assumed.
+    """
+    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
+
+    per_weight = _per_weight_scales(model, scales)
+    ranges: dict[str, float] = {}
+    for mm in weight_matmuls(model):
+        if mm.weight not in tops:
+            continue
+        kept, rows = tops[mm.weight], seen[mm.weight]  # kept: [in, largest of the rows]
+        s = per_weight.get(mm.weight)
+        scaled = kept if s is None else kept / s[:, None]
+        count = rows * kept.shape[0]
+        # the k-th largest is the smallest value with >= percentile % at or below it (rounded: float noise)
+        k = count - math.ceil(round(count * percentile / 100, 6)) + 1
+        flat = scaled.ravel()
+        if k > flat.size:
+            return None
+        top = float(np.partition(flat, flat.size - k)[flat.size - k])
+        if rows > kept.shape[1] and float(scaled.min(1).max()) > top:
+            return None
+        ranges[mm.activation] = max(ranges.get(mm.activation, 0.0), top)
+    return TensorsData(CalibrationMethod.Percentile, {
+        name: TensorData(lowest=np.array(-top, np.float32), highest=np.array(top, np.float32)) for name, top in ranges.items()})
+
+
 def minmax_ranges(model, absmax: dict[str, np.ndarray], scales: dict[str, np.ndarray] | None = None):
     """MinMax ranges (ORT TensorsData) from per-channel statistics, without running the model.
 
@@ -212,7 +267,7 @@ def minmax_ranges(model, absmax: dict[str, np.ndarray], scales: dict[str, np.nda
     """
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
 
-    per_weight = {w: scales[g.key] for g in groups(model) for w in g.weights if g.key in (scales or {})}
+    per_weight = _per_weight_scales(model, scales)
     ranges: dict[str, float] = {}
     for mm in weight_matmuls(model):
         if mm.weight not in absmax:

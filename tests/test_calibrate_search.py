@@ -236,6 +236,68 @@ def test_block_32_when_only_it_meets_the_target(store, calib_text, tmp_path, cap
                                                                        ("rtn b32", True)]
     assert search["chosen"] == 2 and search["met"]
     assert load_manifest(tmp_path / "q").precision.block_size == 32 and nbits_block_sizes(tmp_path / "q") == {32}
+    # a target 5x inside block 128's excess: block 64 (at best 4x closer) is skipped, 32 tried
+    excess = max(np.log(rows[0]["perplexity_ratio_upper"]), rows[0]["mean_kl"])
+    code, out, err = run([*args, "--target", repr(float(np.exp(excess / 5))), "-o", str(tmp_path / "far")], capsys)
+    labels = [r["label"] for r in json.loads(out)["search"]["candidates"]]
+    assert labels[:2] == ["rtn b128", "rtn b32"] and "rtn b64" not in labels and "skipping block 64" in err
+
+
+def test_a_block_tier_out_of_reach_is_skipped():
+    """Halving a block cuts a recipe's excess by at most REACH_PER_HALVING: a tier that even then
+    could not meet is not built. Numbers: SmolLM2-135M w4, AWQ block 128 (excess 0.397, w4's budget ln 1.03)."""
+    from llmx.calibration.candidates import Candidate
+    from llmx.calibration.search import out_of_reach
+
+    best, budget = {"block_size": 128}, float(np.log(1.03))
+    assert out_of_reach(best, Candidate(block_size=64), 0.397, budget)
+    assert not out_of_reach(best, Candidate(block_size=32), 0.397, budget)  # 16x: within reach
+    assert not out_of_reach(best, Candidate(block_size=64), 0.1, budget)
+    assert not out_of_reach(best, Candidate(method="minmax"), 10.0, budget)  # w8a8's tiers are not blocks
+    assert not out_of_reach(best, Candidate(block_size=64), 0.397, float(np.log(0.5)))  # nothing meets: measure all
+
+
+def test_scoring_stops_once_a_candidate_cannot_meet_the_target():
+    """KL (and 1 - cosine) is never negative: once what the windows scored so far add up to exceeds
+    the target's budget over every window, the candidate misses whatever the rest hold. Stopping
+    there never changes a verdict; a candidate far off stops after its first window, one that
+    meets is scored to the end (judge and sessions faked: random logits, noise of growing size)."""
+    from llmx.calibration.judge import DecoderJudge, EncoderJudge, meets
+    from llmx.runtime.sampling import log_softmax
+
+    rng = np.random.default_rng(5)
+    windows, vocab, tokens = 8, 6, 17
+    logits = [rng.normal(size=(1, tokens, vocab)).astype(np.float32) for _ in range(windows)]
+    decoder = object.__new__(DecoderJudge)
+    decoder.feeds = list(range(windows))
+    decoder.reference = [log_softmax(x[0, :-1]).astype(np.float16) for x in logits]
+    decoder.targets = [rng.integers(0, vocab, tokens - 1) for _ in range(windows)]
+    encoder = object.__new__(EncoderJudge)
+    encoder.feeds = [{"input_ids": np.zeros((1, 4), np.int64), "i": i} for i in range(windows)]
+    encoder.reference = np.concatenate([x[:, 0] for x in logits])
+
+    class Session:
+        def __init__(self, noise):
+            self.noise, self.calls = noise, 0
+
+        def run(self, names, feed):
+            self.calls += 1
+            if isinstance(feed, dict):  # an encoder's batch: one sentence's embedding
+                return [logits[feed["i"]][:, 0] + self.noise[feed["i"]][:, 0]]
+            return [logits[feed] + self.noise[feed]]
+
+    outcomes = set()
+    for judge, target in ((decoder, 1.02), (encoder, 0.99)):
+        for scale in (0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 3.0):
+            noise = [scale * rng.normal(size=x.shape).astype(np.float32) for x in logits]
+            full, early = judge.score(Session(noise)), judge.score(session := Session(noise), target=target)
+            assert meets(early, target) == meets(full, target)
+            if "scored" in early:
+                assert early["scored"] == f"{session.calls}/{windows}" and session.calls < windows
+            else:
+                assert session.calls == windows and early == full
+            outcomes.add((judge.graph, meets(full, target), session.calls))
+        assert (judge.graph, True, windows) in outcomes and (judge.graph, False, 1) in outcomes
 
 
 def test_block_size_flag_fixes_the_search_and_no_search_keeps_32(store, calib_text, tmp_path, capsys):
@@ -303,7 +365,7 @@ def test_fallbacks_are_added_until_kl_holds_the_target_where_the_ratio_already_d
         def __init__(self):
             pass
 
-        def score(self, candidate, progress=lambda n: None, limit=None):
+        def score(self, candidate, progress=lambda n: None, limit=None, target=None):
             kept = len(candidate.fallback)
             return {"perplexity_ratio": 1.0, "perplexity_ratio_upper": 1.001, "top1_agreement": 1.0,
                     "mean_kl": 0.05 * (10 - kept) / 10}
@@ -394,25 +456,90 @@ def test_w8_smoothquant_flattens_the_int8_activations(planted, stdlib_text, tmp_
 
 # -- the building blocks ---------------------------------------------------------------------
 
-def test_minmax_ranges_from_statistics_equal_the_ort_calibrator(store, calib_text, tmp_path):
-    """The search derives minmax ranges from one statistics pass; they are what ORT's MinMax finds."""
-    from llmx.calibration.activations import collect_stats
+def test_ranges_from_statistics_are_what_the_ort_calibrators_find(store, calib_text, tmp_path):
+    """The search derives minmax and percentile ranges from one statistics pass: minmax is what
+    ORT's MinMax finds; percentile is exact, where ORT's histogram puts it up to one of its 2048
+    bins lower."""
+    from llmx.calibration.activations import TOP_ROWS, collect_stats
     from llmx.calibration.data import read_text_data, token_windows
     from llmx.calibration.pipeline import make_feeds, prepare_fp32
-    from llmx.calibration.static import collect_ranges, minmax_ranges
+    from llmx.calibration.static import collect_ranges, ranges_from_stats
     from llmx.runtime.tokenizer import Tokenizer
 
     src = Artifact.open(store.artifact("llama"))
     windows = token_windows(Tokenizer(src), read_text_data(calib_text), 32)[:3]
     paths = prepare_fp32(src, tmp_path / "fp32")
     feeds = make_feeds(src, windows, 1)
-    stats = collect_stats(paths, feeds, threads=1)
+    stats = collect_stats(paths, feeds, threads=1, top_rows=TOP_ROWS, top_graphs=tuple(paths))
     for graph, path in paths.items():
-        ours = minmax_ranges(onnx.load_model(str(path), load_external_data=False), stats.absmax[graph])
-        theirs = collect_ranges(path, feeds(graph), "minmax")
-        assert set(ours.keys()) == set(theirs.keys()) and len(ours.keys()) == 9
-        for name in ours.keys():
-            np.testing.assert_allclose(ours[name].range_value[1], theirs[name].range_value[1], rtol=1e-6)
+        model = onnx.load_model(str(path), load_external_data=False)
+        for method in ("minmax", "percentile"):
+            ours = ranges_from_stats(method, model, stats, graph)
+            theirs = collect_ranges(path, feeds(graph), method)
+            assert set(ours.keys()) == set(theirs.keys()) and len(ours.keys()) == 9
+            for name in ours.keys():
+                # what a symmetric range quantizes with (ORT clips percentile's to the signed extremes)
+                top, found = (float(np.abs(t[name].range_value).max()) for t in (ours, theirs))
+                if method == "minmax":
+                    np.testing.assert_allclose(top, found, rtol=1e-6)
+                else:
+                    assert found <= top * (1 + 1e-6) and top - found <= top / 2048 * 1.001, (graph, name)
+    assert ranges_from_stats("entropy", model, stats, graph) is None  # not decided by the statistics
+
+
+def test_percentile_ranges_from_each_channels_largest_values_are_exact_or_refused(tmp_path):
+    """Kept top rows decide the percentile of |X / s| for any channel scaling s: equal to sorting
+    every value, within one histogram bin above ONNX Runtime's PercentileCalibrater on the same
+    feeds; when one channel holds more of the clipped values than were kept, no range is given."""
+    from onnxruntime.quantization import calibrate
+
+    from llmx.calibration.activations import ActivationStats
+    from llmx.calibration.sensitivity import PROBE_INPUT, probe_model
+    from llmx.calibration.smoothquant import groups
+    from llmx.calibration.static import percentile_ranges
+
+    rng = np.random.default_rng(3)
+    loud = np.linspace(0.5, 4, 16, dtype=np.float32)  # channels of different ranges, heavy tails
+    xs = [rng.standard_t(3, size=(300, 16)).astype(np.float32) * loud for _ in range(4)]
+    model = probe_model(rng.normal(size=(16, 8)))
+    stats = ActivationStats(top_rows=48, top_graphs=("g",))
+    for x in xs:
+        stats.add("g", ["w"], x, rng)
+    assert stats.seen["g"]["w"] == 1200 and stats.tops["g"]["w"].shape == (16, 48)
+    onnx.save_model(model, str(tmp_path / "probe.onnx"))
+    percentile, s = 99.8, np.linspace(2.0, 0.25, 16).astype(np.float32)
+    for scales in (None, {groups(model)[0].key: s}):
+        scale = np.ones(16, np.float32) if scales is None else s
+        ours = percentile_ranges(model, stats.tops["g"], stats.seen["g"], scales, percentile)[PROBE_INPUT].range_value[1]
+        values = np.sort(np.abs(np.concatenate(xs) / scale).ravel())
+        exact = values[int(np.ceil(len(values) * percentile / 100)) - 1]  # the smallest with >= 99.8 % at or below
+        assert ours == pytest.approx(exact, rel=1e-6) and len(values) - np.searchsorted(values, exact) == 39
+        ort = calibrate.PercentileCalibrater(str(tmp_path / "probe.onnx"), ["MatMul"], str(tmp_path / "aug.onnx"),
+                                             symmetric=True, num_bins=2048, percentile=percentile)
+        ort.augment_graph()
+        ort.create_inference_session()
+        for x in xs:
+            ort.collect_data(_Reader(x / scale))
+        found = float(np.abs(ort.compute_data()[PROBE_INPUT].range_value).max())
+        width = np.abs(xs[0] / scale).max() / 2048  # the first feed's bins
+        assert found <= ours <= found + width * 1.001
+    one = ActivationStats(top_rows=4, top_graphs=("g",))  # channel 0 alone holds the top 0.2 %: 4 of its values cannot say
+    x = rng.normal(size=(1200, 16)).astype(np.float32)
+    x[:, 0] = 100 + rng.random(1200, dtype=np.float32)
+    one.add("g", ["w"], x, rng)
+    assert percentile_ranges(model, one.tops["g"], one.seen["g"], None, percentile) is None
+    assert percentile_ranges(model, one.tops["g"], one.seen["g"], None, 99.99) is not None  # the top 2: kept
+
+
+class _Reader:
+    """One feed, as ONNX Runtime's calibrators read data."""
+
+    def __init__(self, x: np.ndarray):
+        self.feed = {"x": x}
+
+    def get_next(self):
+        feed, self.feed = self.feed, None
+        return feed
 
 
 def test_awq_scale_beats_rounding_when_a_few_channels_are_salient():
@@ -696,3 +823,39 @@ def test_reference_arrays_on_disk_read_back_exactly(tmp_path):
     for a, b in zip(arrays, stored):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     assert np.array_equal(stored[1], arrays[1])
+
+
+def test_a_layer_is_judged_on_the_first_tokens_of_its_windows(store, tmp_path):
+    """The per-layer sensitivity pass scores the first LAYER_TOKENS of a few windows: fed alone they
+    give the whole window's logits there (causal), so the judge's quality on them equals the
+    agreement of the whole windows' first rows (real decode graph; a candidate with position-
+    dependent noise on its logits)."""
+    import onnxruntime as ort
+
+    from llmx.calibration.judge import DecoderJudge
+    from llmx.compare import Agreement
+    from llmx.runtime.sampling import log_softmax
+
+    art = store.optimized("llama-tied-llama3rope-bias")
+    rng = np.random.default_rng(2)
+    windows = [rng.integers(5, 200, 24).tolist() for _ in range(3)]
+    judge = DecoderJudge(art / "decode.onnx", load_manifest(art), windows, 1, scratch=tmp_path)
+    fp32 = ort.InferenceSession(str(art / "decode.onnx"), providers=["CPUExecutionProvider"])
+
+    class Noisy:
+        def run(self, names, feed):
+            logits = fp32.run(names, feed)[0]
+            positions = feed["position_ids"][0]
+            return [logits + 0.3 * np.sin(positions[None, :, None] * np.arange(logits.shape[-1]) + 1.0)]
+
+    cut = judge.score(Noisy(), limit=2, tokens=10)
+    want = Agreement()
+    for feed, window in zip(judge.feeds[:2], windows):
+        full = log_softmax(Noisy().run(["logits"], feed)[0][0, :-1])
+        reference = log_softmax(fp32.run(["logits"], feed)[0][0, :-1])
+        want.add(reference[:9], full[:9], np.asarray(window[1:10]))
+    summary = want.summary()
+    assert summary["tokens"] == 18 and cut["mean_kl"] > 1e-3
+    for key in ("perplexity_ratio", "top1_agreement", "mean_kl"):
+        assert cut[key] == pytest.approx(summary[key], rel=2e-3, abs=1e-5)  # the judge's reference is float16
+    assert judge.score(Noisy(), limit=2)["mean_kl"] != pytest.approx(cut["mean_kl"], rel=1e-3)  # whole windows differ
