@@ -85,7 +85,6 @@ class ActivationStats:
                 take = flat[rng.choice(len(flat), min(len(flat), SAMPLE_ROWS), replace=False)]
                 self.rows[weight] = take if kept is None else np.concatenate([kept, take])[:SAMPLE_ROWS]
 
-
     def _keep_top(self, graph: str, weights: list[str], magnitude: np.ndarray) -> None:
         # channel-major ([in, kept]): a channel's values contiguous for np.partition (2-3x faster)
         tops, seen = self.tops.setdefault(graph, {}), self.seen.setdefault(graph, {})

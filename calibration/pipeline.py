@@ -18,6 +18,7 @@ from llmx.calibration.activations import TOP_ROWS, ActivationStats, collect_stat
 from llmx.calibration.candidates import Candidate
 from llmx.calibration.encoder import EncoderFeeds
 from llmx.calibration.feeds import Feeds
+from llmx.calibration.judge import DecoderJudge, EncoderJudge
 from llmx.calibration.layered import LayeredGraph
 from llmx.calibration.matmuls import (SHARED_WEIGHTS, declare_activation_types, initializers, name_nodes,
                                      untie_weights, weight_matmuls)
@@ -66,7 +67,7 @@ def quantize_graphs(source: Artifact, windows: list[list[int]], options: Calibra
     return static_graphs(paths, feeds, options, work / "qdq", progress, stats, scales), work / "qdq", record
 
 
-SEARCHED = ("decode", "embed")  # the graph the search scores (judge.py), a decoder's and an encoder's
+SEARCHED = (DecoderJudge.graph, EncoderJudge.graph)  # the graph the search scores, a decoder's and an encoder's
 
 
 def statistics(paths: dict[str, Path], feeds, options: CalibrationOptions, progress: Progress,

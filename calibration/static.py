@@ -234,8 +234,6 @@ def percentile_ranges(model, tops: dict[str, np.ndarray], seen: dict[str, int],
     channel's smallest kept value exceeds it (then nothing dropped could be above it); that is
     checked, not assumed.
     """
-    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
-
     per_weight = _per_weight_scales(model, scales)
     ranges: dict[str, float] = {}
     for mm in weight_matmuls(model):
@@ -254,8 +252,7 @@ def percentile_ranges(model, tops: dict[str, np.ndarray], seen: dict[str, int],
         if rows > kept.shape[1] and float(scaled.min(1).max()) > top:
             return None
         ranges[mm.activation] = max(ranges.get(mm.activation, 0.0), top)
-    return TensorsData(CalibrationMethod.Percentile, {
-        name: TensorData(lowest=np.array(-top, np.float32), highest=np.array(top, np.float32)) for name, top in ranges.items()})
+    return symmetric_ranges("percentile", ranges)
 
 
 def minmax_ranges(model, absmax: dict[str, np.ndarray], scales: dict[str, np.ndarray] | None = None):
@@ -265,8 +262,6 @@ def minmax_ranges(model, absmax: dict[str, np.ndarray], scales: dict[str, np.nda
     so every alpha's ranges follow from one statistics pass. Equal to what ORT's symmetric
     MinMax calibrator finds on the same feeds.
     """
-    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
-
     per_weight = _per_weight_scales(model, scales)
     ranges: dict[str, float] = {}
     for mm in weight_matmuls(model):
@@ -274,8 +269,15 @@ def minmax_ranges(model, absmax: dict[str, np.ndarray], scales: dict[str, np.nda
             continue
         top = float((absmax[mm.weight] / per_weight.get(mm.weight, 1.0)).max())
         ranges[mm.activation] = max(ranges.get(mm.activation, 0.0), top)
-    return TensorsData(CalibrationMethod.MinMax, {
-        name: TensorData(lowest=np.array(-top, np.float32), highest=np.array(top, np.float32)) for name, top in ranges.items()})
+    return symmetric_ranges("minmax", ranges)
+
+
+def symmetric_ranges(method: str, tops: dict[str, float]):
+    """ORT TensorsData of ``method`` giving each tensor the range [-top, top]."""
+    from onnxruntime.quantization.calibrate import TensorData, TensorsData
+
+    return TensorsData(_method(method), {
+        name: TensorData(lowest=np.array(-top, np.float32), highest=np.array(top, np.float32)) for name, top in tops.items()})
 
 
 def activation_scales(model, base_dir: Path) -> dict[str, float]:
