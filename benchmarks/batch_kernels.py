@@ -5,7 +5,7 @@
 A server decodes C rows per graph run, so a weight layout that is fast for one row (the
 memory-bound step llmx calibrate times) may not be for 32 (compute-bound). For each weight shape
 (K x N: SmolLM-135M's MLP and its 49,152-token LM head by default) a one-node graph per layout
-(fp32 MatMul; MatMulNBits 4 and 8 bits, blocks of 32 and 128, ``accuracy_level`` 4 as llmx
+(fp32 MatMul; MatMulNBits 4 and 8 bits, blocks of 32, 64 and 128, ``accuracy_level`` 4 as llmx
 writes them) runs x [rows, K] at 2 threads; layouts take turns round by round and the median is
 kept. Prints ms per call and GFLOP/s, and each layout's time over fp32's, as a table and JSON
 (benchmarks/results/batch_kernels_<date>.json). Weights are random: speed does not depend on them.
@@ -25,7 +25,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 LAYOUTS = {  # name: (bits, block size); bits 32 is the fp32 MatMul
-    "fp32": (32, 0), "w8 b32": (8, 32), "w8 b128": (8, 128), "w4 b32": (4, 32), "w4 b128": (4, 128)}
+    "fp32": (32, 0), "w8 b32": (8, 32), "w8 b64": (8, 64), "w8 b128": (8, 128), "w4 b32": (4, 32), "w4 b64": (4, 64), "w4 b128": (4, 128)}
 
 
 def session(k: int, n: int, bits: int, block: int, threads: int) -> ort.InferenceSession:

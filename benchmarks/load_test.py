@@ -4,6 +4,7 @@
     python benchmarks/load_test.py --model tiny         # the test suite's tiny Llama
     python benchmarks/load_test.py --model demo         # the built-in demo model (4.9M, real weights)
     python benchmarks/load_test.py --requests 100 --json out.json --plot out.png
+    python benchmarks/load_test.py --artifact artifacts/demo-int8   # an artifact you built
 
 Everything runs on loopback: the script exports a random-weight Llama (tests/checkpoints.py
 plus a 32k BPE tokenizer trained on the stdlib, so every sampled id is real text and every
@@ -243,6 +244,7 @@ def plot(rates: dict[int, float], path: Path, model: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="small")
+    ap.add_argument("--artifact", type=Path, help="serve this artifact instead of building --model's (e.g. the quickstart's)")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llmx-load-test")
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--concurrency", type=int, default=64)
@@ -262,7 +264,7 @@ def main() -> None:
     args = ap.parse_args()
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    art = build_artifact(args.model, args.workdir)
+    art = args.artifact or build_artifact(args.model, args.workdir)
     server = Server(art, args.max_batch, args.max_queue, args.threads, args.spin, tuple(shlex.split(args.server_args)))
     report: dict = {"model": args.model, "artifact": str(art), "max_batch": args.max_batch, "max_queue": args.max_queue,
                     "spin": args.spin}
