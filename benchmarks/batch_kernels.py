@@ -25,7 +25,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 LAYOUTS = {  # name: (bits, block size); bits 32 is the fp32 MatMul
-    "fp32": (32, 0), "w8 b32": (8, 32), "w8 b64": (8, 64), "w8 b128": (8, 128), "w4 b32": (4, 32), "w4 b64": (4, 64), "w4 b128": (4, 128)}
+    "fp32": (32, 0), "w8 b32": (8, 32), "w8 b64": (8, 64), "w8 b128": (8, 128),
+    "w4 b32": (4, 32), "w4 b64": (4, 64), "w4 b128": (4, 128)}
 
 
 def session(k: int, n: int, bits: int, block: int, threads: int) -> ort.InferenceSession:

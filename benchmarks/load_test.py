@@ -265,8 +265,9 @@ def main() -> None:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     art = args.artifact or build_artifact(args.model, args.workdir)
+    model = art.name if args.artifact else args.model  # what the report and the plot name
     server = Server(art, args.max_batch, args.max_queue, args.threads, args.spin, tuple(shlex.split(args.server_args)))
-    report: dict = {"model": args.model, "artifact": str(art), "max_batch": args.max_batch, "max_queue": args.max_queue,
+    report: dict = {"model": model, "artifact": str(art), "max_batch": args.max_batch, "max_queue": args.max_queue,
                     "spin": args.spin}
     try:
         if not args.skip_load:
@@ -294,7 +295,7 @@ def main() -> None:
             report["throughput"][f"ratio_{top}_vs_1_median_of_rounds"] = round(statistics.median(per_round), 2)
         print_throughput(report["throughput"])
         if args.plot:
-            plot(medians, args.plot, args.model)
+            plot(medians, args.plot, model)
     finally:
         server.stop()
     print(json.dumps(report))
