@@ -187,6 +187,22 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     return index if ids is None else int(ids[index])
 
 
+def sample_rows(logits: np.ndarray, temperatures: list[float], rngs: list[np.random.Generator]) -> list[int]:
+    """``sample`` for rows [n, V] that only have a temperature (no filters), each from its own
+    generator: the same tokens as row by row, the generators advanced alike.
+
+    Each step is one numpy call for all rows instead of one per row, where per-call overhead
+    dominates a small vocabulary: 8 rows of 4k tokens take 107 us here against 163 us one by
+    one (49k tokens: 430 against 500 us).
+    """
+    x = logits / np.asarray(temperatures, dtype=logits.dtype)[:, None]  # as ``sample``: in the logits' dtype
+    top = x.max(axis=1, keepdims=True)
+    if not x.shape[1] or not np.isfinite(top).all():
+        raise ValueError("cannot sample: the logits are NaN or every token is filtered out")
+    x -= top
+    return draw_rows(np.exp(x, out=x), rngs)
+
+
 # A long row is drawn through the running sums of blocks of this many entries: numpy's cumsum
 # is sequential (145 us for 49k float32), block sums are vectorized.
 _DRAW_BLOCK = 256
@@ -208,6 +224,47 @@ def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
     block = weights[starts[j] : starts[j] + _DRAW_BLOCK]
     before = float(totals[j - 1]) if j else 0.0
     return int(starts[j]) + _first_past(block, before + np.cumsum(block), target)
+
+
+def draw_rows(weights: np.ndarray, rngs: list[np.random.Generator]) -> list[int]:
+    """``draw`` for each row of ``weights`` [n, V], one uniform from each row's generator, with
+    no per-row numpy calls: the same running sums bit for bit (each row's segments are added in
+    the same order) and the same comparisons (``searchsorted`` compares in float64)."""
+    n, size = weights.shape
+    u = np.fromiter((rng.random() for rng in rngs), dtype=np.float64, count=n)
+    if size <= 4 * _DRAW_BLOCK:
+        running = np.cumsum(weights, axis=1)
+        return _first_past_rows(weights, running, u * _checked_rows(running[:, -1]), np.full(n, size))
+    starts = np.arange(0, size, _DRAW_BLOCK)
+    totals = np.cumsum(np.add.reduceat(weights, starts, axis=1), axis=1)
+    target = u * _checked_rows(totals[:, -1])
+    j = np.minimum(_at_most(totals, target), len(starts) - 1)
+    columns = starts[j][:, None] + np.arange(_DRAW_BLOCK)
+    # The last block may be short: its columns past the end repeat the last weight, and their
+    # running sums, past the block's own, only ever count when the target is past its end.
+    block = np.take_along_axis(weights, np.minimum(columns, size - 1), axis=1)
+    before = np.where(j > 0, totals[np.arange(n), j - 1], 0).astype(weights.dtype)
+    running = before[:, None] + np.cumsum(block, axis=1)
+    picks = _first_past_rows(block, running, target, np.minimum(size - starts[j], _DRAW_BLOCK))
+    return [int(start) + i for start, i in zip(starts[j], picks)]
+
+
+def _at_most(running: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per row, how many running sums are <= its target: ``searchsorted(side="right")``, which
+    compares in float64 (``running <= target`` would round the target to float32)."""
+    return (running.astype(np.float64) <= targets[:, None]).sum(axis=1)
+
+
+def _checked_rows(totals: np.ndarray) -> np.ndarray:
+    for total in totals[~((totals > 0) & (totals < np.inf))]:
+        _checked(float(total))
+    return totals.astype(np.float64)
+
+
+def _first_past_rows(weights: np.ndarray, running: np.ndarray, targets: np.ndarray, sizes: np.ndarray) -> list[int]:
+    """``_first_past`` per row, whose first ``sizes[r]`` entries are its own."""
+    found = _at_most(running, targets).tolist()
+    return [i if i < m else int(np.flatnonzero(w[:m])[-1]) for i, m, w in zip(found, sizes.tolist(), weights)]
 
 
 def _checked(total: float) -> float:

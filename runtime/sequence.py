@@ -125,9 +125,22 @@ class Sequence:
     def plain_greedy(self) -> bool:
         """``choose`` is the argmax of the raw logits: greedy, no penalties, no logprobs. A batch
         takes every such row's argmax in one call; any per-row hook added to ``choose`` (a
-        constraint's mask, a logit bias) makes this False, or the batch would skip it."""
+        constraint's mask, a logit bias) must make this and ``plain_sampled`` False, or the
+        batch would skip it."""
+        return self.params.greedy and self._unhooked
+
+    @property
+    def plain_sampled(self) -> bool:
+        """``choose`` is ``sample`` with a temperature alone (no filters, penalties or logprobs):
+        a batch draws every such row in one ``sample_rows`` call, each from its own generator."""
         p = self.params
-        return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+        return (not p.greedy and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0 and p.typical_p >= 1.0
+                and self._unhooked)
+
+    @property
+    def _unhooked(self) -> bool:
+        p = self.params
+        return (p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty and not p.logit_bias and self.constraint is None)
 
     def choose(self, logits: np.ndarray) -> int:

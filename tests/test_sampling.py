@@ -142,6 +142,59 @@ def test_draw_refuses_weights_with_nothing_to_draw(size):
             S.draw(weights, FixedUniform(0.5))
 
 
+def crafted_rows(size: int, rng) -> tuple[np.ndarray, list[float]]:
+    """Rows of weights with filtered tokens and heavy tails, and uniforms that include both ends
+    and one that lands past a block's own running sums (see the test above)."""
+    weights = rng.exponential(size=(6, size)).astype(np.float32) ** 4
+    weights[rng.random((6, size)) < 0.3] = 0
+    weights[5, np.arange(size) % 256 >= 250] = 0
+    uniforms = [0.0, np.nextafter(1.0, 0.0), *rng.random(3)]
+    if size > 1024:
+        starts = np.arange(0, size, 256)
+        totals = np.cumsum(np.add.reduceat(weights[5], starts))
+        ends = [(float(totals[j - 1]) if j else 0.0) + np.cumsum(weights[5, s : s + 256])[-1] for j, s in enumerate(starts)]
+        short = [j for j in range(len(starts)) if ends[j] < totals[j]]
+        uniforms.append((float(ends[short[0]]) + float(totals[short[0]])) / 2 / float(totals[-1]) if short else 0.5)
+    else:
+        uniforms.append(0.5)
+    return weights, uniforms
+
+
+@pytest.mark.parametrize("size", [7, 1000, 1025, 4096, 50_000])  # one cumsum; blocks, whole and ragged last block
+def test_draw_rows_draws_what_draw_draws_row_by_row(size):
+    rng = np.random.default_rng(size)
+    for _ in range(20):
+        weights, uniforms = crafted_rows(size, rng)
+        alone = [S.draw(w, FixedUniform(u)) for w, u in zip(weights, uniforms)]
+        assert S.draw_rows(weights, [FixedUniform(u) for u in uniforms]) == alone
+
+
+@pytest.mark.parametrize("size", [50, 4096, 49_153])
+def test_sample_rows_is_sample_row_by_row_with_each_rows_generator(size):
+    # A batch draws its temperature-only rows at once (runtime/batch.py): a seeded sequence must
+    # get the tokens it gets alone, and leave its generator where ``sample`` leaves it.
+    rng = np.random.default_rng(size)
+    for trial in range(25):
+        n = int(rng.integers(1, 9))
+        logits = (rng.standard_normal((n, size)) * rng.choice([0.1, 2.0, 30.0])).astype(np.float32)
+        logits[rng.random((n, size)) < 0.05] = -np.inf  # banned by a grammar or a bias
+        temperatures = [float(t) for t in rng.choice([1e-3, 0.3, 0.8, 1.0, 1.7], n)]
+        seeds = rng.integers(0, 2**31, n)
+        mine = [np.random.default_rng(s) for s in seeds]
+        theirs = [np.random.default_rng(s) for s in seeds]
+        alone = [S.sample(row, SamplingParams(temperature=t), g) for row, t, g in zip(logits, temperatures, theirs)]
+        assert S.sample_rows(logits, temperatures, mine) == alone
+        assert [g.random() for g in mine] == [g.random() for g in theirs]
+
+
+def test_sample_rows_refuses_a_row_with_nothing_to_draw():
+    logits = np.zeros((3, 3000), np.float32)
+    for bad in (np.nan, -np.inf):
+        logits[1] = bad
+        with pytest.raises(ValueError, match="cannot sample"):
+            S.sample_rows(logits, [0.8, 0.8, 0.8], [np.random.default_rng(i) for i in range(3)])
+
+
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9), dict(temperature=0.7, top_k=5)])
 def test_sampling_nan_or_fully_masked_logits_is_one_clear_error(params):
     for logits in (np.full(3000, np.nan, np.float32), np.full(3000, -np.inf, np.float32)):

@@ -67,24 +67,29 @@ def test_chunked_prefill_equals_one_prefill_and_joins_a_batch(llama_engine, chun
     assert seq.output_ids == llama_engine.generate([LONG], SamplingParams(**params))[0].output_ids
 
 
-def test_greedy_rows_share_one_argmax_and_rows_with_per_row_work_keep_theirs(llama_engine):
-    """Plain greedy rows take the batch's argmax; logprobs, penalties, logit_bias and sampling rows still run
-    their own ``choose``: every row gets what it would get alone."""
+def test_plain_rows_are_chosen_together_and_rows_with_per_row_work_keep_theirs(llama_engine):
+    """Plain greedy rows take the batch's argmax and temperature-only rows one vectorized draw;
+    logprobs, penalties, logit_bias and filtered sampling rows still run their own ``choose``:
+    every row gets what it would get alone."""
     jobs = [("import os", dict(max_new_tokens=10, temperature=0, ignore_eos=True)),
+            ("def f(", dict(max_new_tokens=10, temperature=0.9, seed=5, ignore_eos=True)),
+            ("z = {", dict(max_new_tokens=10, temperature=1.3, seed=6, ignore_eos=True)),
             ("x = [", dict(max_new_tokens=10, temperature=0, logprobs=2, ignore_eos=True)),
             ("class A:", dict(max_new_tokens=10, temperature=0, repetition_penalty=1.3, ignore_eos=True)),
-            ("def f(", dict(max_new_tokens=10, temperature=0.9, seed=5, ignore_eos=True)),
-            ("y = ", dict(max_new_tokens=10, temperature=0, logit_bias={7: 30.0}, ignore_eos=True))]
+            ("y = ", dict(max_new_tokens=10, temperature=0, logit_bias={7: 30.0}, ignore_eos=True)),
+            ("for i", dict(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)),
+            ("if x", dict(max_new_tokens=10, temperature=0.9, seed=7, logprobs=1, ignore_eos=True))]
     seqs = [sequence(llama_engine, text, **p) for text, p in jobs]
-    assert [s.plain_greedy for s in seqs] == [True, False, False, False, False]
+    assert [s.plain_greedy for s in seqs] == [True] + [False] * 7
+    assert [s.plain_sampled for s in seqs] == [False, True, True] + [False] * 5
     chosen = []
-    for seq in seqs[1:]:  # the rows with per-row work must still be asked, and only they
+    for seq in seqs:  # the rows with per-row work must still be asked, and only they
         seq.choose = (lambda original, s: lambda logits: chosen.append(s.id) or original(logits))(seq.choose, seq)
-    batch = Batch(llama_engine.backend, rows=5, capacity=32)
+    batch = Batch(llama_engine.backend, rows=len(seqs), capacity=32)
     batch.admit(seqs)
     while batch.active:
         batch.step()
-    assert sorted(set(chosen)) == sorted(s.id for s in seqs[1:]) and len(chosen) == 40
+    assert sorted(set(chosen)) == sorted(s.id for s in seqs[3:]) and len(chosen) == 50
     for (text, p), seq in zip(jobs, seqs):
         ref = llama_engine.generate([text], SamplingParams(**p))[0]
         assert seq.output_ids == ref.output_ids
