@@ -17,8 +17,11 @@ scale tensor beside every KV buffer, which every backend would then allocate, bi
 static scales need none. Keys have outlier *channels* (KIVI, Liu et al. 2024), which a
 per-channel scale absorbs and a per-token one does not. Attention inside the prefill graph
 still uses the unquantized keys of the prompt; everything read from the cache is dequantized.
-Applies to the exported (portable) attention, whose decode graph updates the cache with
-ScatterElements; fused GroupQueryAttention graphs are refused.
+The exported (portable) decode graph updates the cache with ScatterElements, rewritten as above.
+A fused decode graph's GroupQueryAttention (``llmx optimize``) takes the int8 cache itself: the
+same scales as its per-channel ``k_scale``/``v_scale``, and it quantizes the new keys/values and
+dequantizes inside its kernel. The prefill graphs of both are rewritten alike (a fused prefill's
+GroupQueryAttention has no past, so it cannot write an int8 present itself).
 """
 
 from __future__ import annotations
@@ -152,12 +155,14 @@ def rewrite_prefill(model, present: list[str], scales: list[np.ndarray]) -> None
 
 def rewrite_decode(model, past: list[str], present: list[str], scales: list[np.ndarray]) -> None:
     """Decode reads the int8 cache dequantized and scatters the new keys/values quantized."""
+    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+        return rewrite_fused_decode(model, past, present, scales)
     rw = _Rewriter(model)
     for p, r, (scale, inv) in zip(past, present, _add_scales(rw, present, scales)):
         scatter = next((n for n in model.graph.node if n.op_type == "ScatterElements" and n.input[0] == p and r in n.output), None)
         if scatter is None:
-            raise InputError(f"the decode graph does not update {p} with ScatterElements (fused attention, e.g. "
-                             "GroupQueryAttention after llmx optimize?): quantize the KV cache of the exported artifact")
+            raise InputError(f"the decode graph updates {p} neither with ScatterElements nor with GroupQueryAttention: "
+                             "cannot quantize its KV cache")
         scatter.input[2] = rw.quantize(scatter.input[2], inv, f"{r}.new_int8")
         for tensor in (p, r):  # every other reader of the cache gets dequantized values
             whole = None
@@ -171,6 +176,37 @@ def rewrite_decode(model, past: list[str], present: list[str], scales: list[np.n
                     continue
                 whole = whole or rw.dequantize(tensor, scale, f"{tensor}.dequantized")
                 node.input[:] = [whole if i == tensor else i for i in node.input]
+        _set_int8(model.graph.input, p)
+        _set_int8(model.graph.output, r)
+    rw.finish()
+
+
+# GroupQueryAttention's inputs (ONNX Runtime 1.31): ... 10 attention_bias, 11 head_sink,
+# 12 k_scale, 13 v_scale.
+_GQA_K_SCALE, _GQA_V_SCALE = 12, 13
+
+
+def rewrite_fused_decode(model, past: list[str], present: list[str], scales: list[np.ndarray]) -> None:
+    """Fused decode: GroupQueryAttention reads and writes the int8 cache itself (ONNX Runtime's
+    quantized cache, ``k_quant_type``/``v_quant_type`` PER_CHANNEL, rounding to nearest like
+    ``quantize``), so no dequantized copy of the window is made."""
+    import onnx
+
+    rw = _Rewriter(model)
+    scale_of = dict(zip(present, scales))
+    for node in model.graph.node:
+        if node.op_type != "GroupQueryAttention":
+            continue
+        if len(node.output) < 3 or node.output[1] not in scale_of or len(node.input) < 5 or node.input[3] not in past:
+            raise ArtifactError(f"{node.name} does not update the KV cache in place: cannot quantize its cache")
+        inputs = list(node.input) + [""] * (_GQA_V_SCALE + 1 - len(node.input))
+        for slot, name in ((_GQA_K_SCALE, node.output[1]), (_GQA_V_SCALE, node.output[2])):
+            s = scale_of[name]
+            inputs[slot] = rw.constant(f"kv_int8.scale.{name}", s[:, None, :].astype(np.float32))  # [Hkv, 1, D]
+        node.input[:] = inputs
+        node.attribute.extend(onnx.helper.make_attribute(k, v) for k, v in
+                              (("k_quant_type", "PER_CHANNEL"), ("v_quant_type", "PER_CHANNEL"), ("kv_cache_bit_width", 8)))
+    for p, r in zip(past, present):
         _set_int8(model.graph.input, p)
         _set_int8(model.graph.output, r)
     rw.finish()

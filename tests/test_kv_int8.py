@@ -37,10 +37,13 @@ def pair(store, tmp_path_factory):
     made = {}
 
     def get(variant: str):
+        """``variant``, or ``variant-fused`` for its ``llmx optimize`` graphs (GroupQueryAttention)."""
         if variant not in made:
-            fp32 = Engine.load(store.artifact(variant), threads=1)
+            name, fused = variant.removesuffix("-fused"), variant.endswith("-fused")
+            source = store.optimized(name) if fused else store.artifact(name)
+            fp32 = Engine.load(source, threads=1)
             out = tmp_path_factory.mktemp("kv8") / variant
-            quantize_kv_artifact(store.artifact(variant), out, windows(fp32))
+            quantize_kv_artifact(source, out, windows(fp32))
             made[variant] = fp32, Engine.load(out, threads=1)
         return made[variant]
 
@@ -55,7 +58,7 @@ def logits_along(engine, prompt: list[int], tokens: list[int]) -> tuple[np.ndarr
     return np.stack(out), cache
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral", "gpt2", "llama-fused", "mistral-fused"])
 def test_logits_within_tolerance_of_float32(pair, variant):
     fp32, int8 = pair(variant)
     prompt = fp32.encode(PROMPT)
@@ -68,32 +71,47 @@ def test_logits_within_tolerance_of_float32(pair, variant):
     scales = load_manifest(int8.artifact.root).kv.quantization
     assert cache.buffers[0].dtype == np.int8 and cache.nbytes() * 4 == ref_cache.nbytes()
     assert scales["dtype"] == "int8" and scales["scale_max"] > 0
+    if variant.endswith("-fused"):  # the cache is GroupQueryAttention's own, no dequantized window
+        decode = onnx.load(str(int8.artifact.root / "decode.onnx"), load_external_data=False)
+        assert {n.op_type for n in decode.graph.node}.isdisjoint({"ScatterElements", "DequantizeLinear"})
+        assert m_ops(int8, "decode") == "onnxruntime"
 
 
-def test_cached_values_are_within_half_a_step(pair):
-    fp32, int8 = pair("llama")
+def m_ops(engine, graph: str) -> str:
+    return load_manifest(engine.artifact.root).graphs[graph].ops
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-fused"])
+def test_cached_values_are_within_half_a_step(pair, variant):
+    fp32, int8 = pair(variant)
     model = onnx.load(str(int8.artifact.root / "decode.onnx"))
     scale = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.name.startswith("kv_int8.scale.")}
     prompt = fp32.encode(PROMPT)
-    _, ref = logits_along(fp32, prompt, [5, 6, 7])
-    _, q = logits_along(int8, prompt, [5, 6, 7])
+    new = [5, 6, 7]
+    _, ref = logits_along(fp32, prompt, new)
+    _, q = logits_along(int8, prompt, new)
     _, present = kv_names(int8.manifest)
-    n = len(prompt)  # prefill's slots (decoded tokens' keys depend on earlier layers' quantized reads)
-    for name, a, b in zip(present, ref.buffers, q.buffers):
-        s = scale[f"kv_int8.scale.{name}"][0]  # [Hkv, 1, D]
-        values = a[0, :, :n]
+    # The prompt's slots are written by prefill. The decoded tokens' slots are written by the decode
+    # graph; those of layer 0 depend on the tokens alone (no cache read before them), so they too
+    # are float32's within half a step (later layers' read the quantized cache first).
+    width = len(prompt) + len(new)
+    for i, (name, a, b) in enumerate(zip(present, ref.buffers, q.buffers)):
+        slots = width if i < 2 else len(prompt)
+        s = scale[f"kv_int8.scale.{name}"].reshape(a.shape[1], 1, a.shape[3])  # [Hkv, 1, D]
+        values = a[0, :, :slots]
         inside = np.abs(values) <= QMAX * s  # calibrated range; beyond it values saturate at +-127
-        error = np.abs(b[0, :, :n].astype(np.float32) * s - values)
-        assert (error[inside] <= s.repeat(n, axis=1)[inside] / 2 + 1e-6).all()
+        error = np.abs(b[0, :, :slots].astype(np.float32) * s - values)
+        assert (error[inside] <= s.repeat(slots, axis=1)[inside] / 2 + 1e-6).all()
         assert inside.mean() > 0.99
 
 
-def test_generation_paths_run_on_the_int8_cache(pair):
+@pytest.mark.parametrize("variant", ["llama", "llama-fused"])
+def test_generation_paths_run_on_the_int8_cache(pair, variant):
     """Batches, beams, speculation and the cache's row moves all handle int8 buffers unchanged."""
     from llmx.runtime.beam import BeamParams, BeamSearch
     from llmx.runtime.drafters import NgramDrafter
 
-    fp32, int8 = pair("llama")
+    fp32, int8 = pair(variant)
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     prompts = [fp32.encode(p) for p in (PROMPT, "import json", "def f(x):\n    return x\n\ndef f(")]
     plain = [s.output_ids for s in generate(int8.backend, int8.tokenizer, prompts, params)]
@@ -114,13 +132,6 @@ def test_manifest_records_the_int8_cache(pair):
     assert all(decode[p] == "int8" for p in past)
     assert all(t.dtype == "int8" for t in m.graphs["prefill"].outputs if t.name in present)
     assert json.loads((int8.artifact.root / "llmx.json").read_text())["kv"]["dtype"] == "int8"
-
-
-def test_fused_attention_is_refused(pair, store, tmp_path):
-    fp32, _ = pair("llama")
-    with pytest.raises(InputError, match="GroupQueryAttention"):
-        quantize_kv_artifact(store.optimized("llama"), tmp_path / "kv8", windows(fp32))
-    assert not (tmp_path / "kv8").exists()
 
 
 def test_refusals(pair, tmp_path):
@@ -145,12 +156,13 @@ def calib_text(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("scheme", [None, "w8"])
-def test_calibrate_kv_cache_int8_alone_or_with_a_scheme(store, calib_text, tmp_path, capsys, scheme):
+@pytest.mark.parametrize("scheme, fused", [(None, False), ("w8", False), ("w8", True)])
+def test_calibrate_kv_cache_int8_alone_or_with_a_scheme(store, calib_text, tmp_path, capsys, scheme, fused):
     from llmx.cli import main
 
     out = tmp_path / "art"
-    args = ["calibrate", str(store.artifact("llama")), "--data", str(calib_text), "--kv-cache", "int8", "-o", str(out),
+    source = store.optimized("llama") if fused else store.artifact("llama")
+    args = ["calibrate", str(source), "--data", str(calib_text), "--kv-cache", "int8", "-o", str(out),
             "--samples", "4", "--seq-len", "32", "--eval-samples", "4", "--threads", "1", "--json"]
     main(args + (["--scheme", scheme] if scheme else []))
     report = json.loads(capsys.readouterr().out)
@@ -162,6 +174,8 @@ def test_calibrate_kv_cache_int8_alone_or_with_a_scheme(store, calib_text, tmp_p
     if scheme is None:  # the cache is the only change: weights untouched, quality close to float32
         assert report["perplexity_ratio"] == pytest.approx(1.0, abs=0.02)
         assert m.graphs["decode"].ops == "portable"
+    decode = {n.op_type for n in onnx.load(str(out / "decode.onnx"), load_external_data=False).graph.node}
+    assert ("GroupQueryAttention" in decode) == fused and ("ScatterElements" in decode) != fused
     engine = Engine.load(out, threads=1)
     assert engine.backend.new_cache(1, 8).buffers[0].dtype == np.int8
     assert len(engine.generate(["def main():"], SamplingParams(max_new_tokens=6, temperature=0))[0].output_ids) == 6
