@@ -16,8 +16,8 @@ import numpy as np
 
 from llmx.errors import InputError
 from llmx.runtime.constraints import prefetch_masks
-from llmx.runtime.sampling import sample_rows
 from llmx.rope import long_context_threshold
+from llmx.runtime.sampling import sample_rows
 from llmx.runtime.sequence import Sequence
 
 Event = tuple[Sequence, str]  # a sequence and the text it made visible this step
