@@ -192,13 +192,17 @@ def rewrite_fused_decode(model, past: list[str], present: list[str], scales: lis
     ``quantize``), so no dequantized copy of the window is made."""
     import onnx
 
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    for node in attention:
+        if len(node.output) < 3 or node.output[1] not in present or len(node.input) < 5 or node.input[3] not in past:
+            raise ArtifactError(f"{node.name} does not update the KV cache in place: cannot quantize its cache")
+    written = {name for node in attention for name in node.output[1:3]}
+    missing = [r for r in present if r not in written]
+    if missing:  # an int8 buffer that no GroupQueryAttention writes would be read as float by its own layer
+        raise ArtifactError(f"the decode graph's GroupQueryAttention does not write {missing[0]}: cannot quantize its cache")
     rw = _Rewriter(model)
     scale_of = dict(zip(present, scales))
-    for node in model.graph.node:
-        if node.op_type != "GroupQueryAttention":
-            continue
-        if len(node.output) < 3 or node.output[1] not in scale_of or len(node.input) < 5 or node.input[3] not in past:
-            raise ArtifactError(f"{node.name} does not update the KV cache in place: cannot quantize its cache")
+    for node in attention:
         inputs = list(node.input) + [""] * (_GQA_V_SCALE + 1 - len(node.input))
         for slot, name in ((_GQA_K_SCALE, node.output[1]), (_GQA_V_SCALE, node.output[2])):
             s = scale_of[name]

@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from llmx.calibration.kv_int8 import QMAX, kv_names, quantize_kv_artifact
-from llmx.errors import InputError
+from llmx.errors import ArtifactError, InputError
 from llmx.artifact.manifest import load_manifest
 from llmx.runtime.engine import Engine
 from llmx.runtime.generate import generate
@@ -68,17 +68,35 @@ def test_logits_within_tolerance_of_float32(pair, variant):
     assert np.abs(ours - ref).max() <= TOL
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     assert 0 < np.abs(ours[1:] - ref[1:]).max()  # decode really read a quantized cache
-    scales = load_manifest(int8.artifact.root).kv.quantization
+    manifest = load_manifest(int8.artifact.root)
+    scales = manifest.kv.quantization
     assert cache.buffers[0].dtype == np.int8 and cache.nbytes() * 4 == ref_cache.nbytes()
     assert scales["dtype"] == "int8" and scales["scale_max"] > 0
     if variant.endswith("-fused"):  # the cache is GroupQueryAttention's own, no dequantized window
         decode = onnx.load(str(int8.artifact.root / "decode.onnx"), load_external_data=False)
         assert {n.op_type for n in decode.graph.node}.isdisjoint({"ScatterElements", "DequantizeLinear"})
-        assert m_ops(int8, "decode") == "onnxruntime"
+        assert manifest.graphs["decode"].ops == "onnxruntime"
 
 
-def m_ops(engine, graph: str) -> str:
-    return load_manifest(engine.artifact.root).graphs[graph].ops
+def test_a_fused_decode_graph_whose_attention_skips_the_cache_is_refused(store):
+    from llmx.calibration.kv_int8 import rewrite_decode
+
+    manifest = load_manifest(store.optimized("llama"))
+    past, present = kv_names(manifest)
+    scales = [np.ones((manifest.model.num_kv_heads, manifest.model.head_dim), np.float32)] * len(present)
+    path = store.optimized("llama") / "decode.onnx"
+
+    def attention(model):
+        return [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+
+    unbound = onnx.load(str(path), load_external_data=False)
+    attention(unbound)[0].input[3] = ""  # reads no past: not the in-place cache update
+    with pytest.raises(ArtifactError, match="does not update the KV cache in place"):
+        rewrite_decode(unbound, past, present, scales)
+    short = onnx.load(str(path), load_external_data=False)
+    short.graph.node.remove(attention(short)[-1])  # the last layer's cache written by nothing
+    with pytest.raises(ArtifactError, match=f"does not write {present[-2]}"):
+        rewrite_decode(short, past, present, scales)
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-fused"])
