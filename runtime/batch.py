@@ -134,8 +134,10 @@ class Batch:
             seq = rows[i]
             if i in drawn:
                 token = drawn[i]
+            elif argmax is not None and seq.plain_greedy:
+                token = argmax[i]
             else:
-                token = argmax[i] if argmax is not None and seq.plain_greedy else seq.choose(row_logits)
+                token = seq.choose(row_logits)
             events.append((seq, seq.accept(token)))
             self.next_ids[start + i] = token
         self.compact()
